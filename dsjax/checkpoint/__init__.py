@@ -1,0 +1,1 @@
+"""Checkpoint I/O: safetensors reading, name translation (original ⇄ HF ⇄ dsjax), loading."""

@@ -1,0 +1,89 @@
+"""Tensor names: the three spellings a DeepSeek-V4 checkpoint may use, mapped to one (HF module names).
+
+- HF module names: `model.layers.3.self_attn.q_a_proj.weight`, experts merged as
+  `mlp.experts.gate_up_proj [E,2I,H]` / `down_proj [E,H,I]`.
+- Original DeepSeek names: `layers.3.attn.wq_a.weight`, `hc_attn_fn`, `ffn.experts.5.w1.weight`, ...
+- The hybrid `save_pretrained()` writes: original layer names under a `model.` prefix, with
+  `model.embed_tokens.weight`, `model.norm.weight`, `model.hc_head.*` and a top-level `head.weight`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Original layer-relative prefixes → HF; first match wins, so longer prefixes come first.
+_LAYER_RULES = [
+    ("attn_norm.", "input_layernorm."),
+    ("ffn_norm.", "post_attention_layernorm."),
+    ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
+    ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
+    ("attn.attn_sink", "self_attn.sinks"),
+    ("attn.indexer.compressor.wkv.", "self_attn.compressor.indexer.kv_proj."),
+    ("attn.indexer.compressor.wgate.", "self_attn.compressor.indexer.gate_proj."),
+    ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
+    ("attn.indexer.compressor.norm.", "self_attn.compressor.indexer.kv_norm."),
+    ("attn.indexer.wq_b.", "self_attn.compressor.indexer.q_b_proj."),
+    ("attn.indexer.weights_proj.", "self_attn.compressor.indexer.scorer.weights_proj."),
+    ("attn.compressor.wkv.", "self_attn.compressor.kv_proj."),
+    ("attn.compressor.wgate.", "self_attn.compressor.gate_proj."),
+    ("attn.compressor.ape", "self_attn.compressor.position_bias"),
+    ("attn.compressor.norm.", "self_attn.compressor.kv_norm."),
+    ("attn.wq_a.", "self_attn.q_a_proj."), ("attn.q_norm.", "self_attn.q_a_norm."),
+    ("attn.wq_b.", "self_attn.q_b_proj."), ("attn.wkv.", "self_attn.kv_proj."),
+    ("attn.kv_norm.", "self_attn.kv_norm."), ("attn.norm.", "self_attn.kv_norm."),
+    ("attn.wo_a.", "self_attn.o_a_proj."), ("attn.wo_b.", "self_attn.o_b_proj."),
+    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("ffn.gate.", "mlp.gate."),
+    ("ffn.shared_experts.w1.", "mlp.shared_experts.gate_proj."),
+    ("ffn.shared_experts.w3.", "mlp.shared_experts.up_proj."),
+    ("ffn.shared_experts.w2.", "mlp.shared_experts.down_proj."),
+]
+
+_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "lm_head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+    "hc_head.hc_fn": "model.hc_head.hc_fn", "hc_head.hc_base": "model.hc_head.hc_base",
+    "hc_head.hc_scale": "model.hc_head.hc_scale",
+}
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
+_MTP = re.compile(r"(^|\.)mtp\.")
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """One original per-expert tensor: `w1` (gate), `w3` (up) or `w2` (down) of expert `expert`."""
+
+    hf_name: str  # the merged HF tensor it belongs to
+    expert: int
+    part: str
+
+
+def to_hf(name: str) -> str | ExpertSlice | None:
+    """The HF name of a checkpoint tensor, an ExpertSlice for per-expert originals, None for MTP (dropped),
+    or the name unchanged when no rule applies (the caller reports it as unknown)."""
+    if _MTP.search(name):
+        return None
+    rest = name[len("model."):] if name.startswith("model.") else name
+    if rest in _TOP:
+        return _TOP[rest]
+    m = _LAYER.fullmatch(rest)
+    if not m:
+        return name
+    layer, tail = m.groups()
+    prefix = f"model.layers.{layer}."
+    e = _EXPERT.fullmatch(tail)
+    if e:
+        merged = "mlp.experts.down_proj" if e.group(2) == "w2" else "mlp.experts.gate_up_proj"
+        return ExpertSlice(prefix + merged, int(e.group(1)), e.group(2))
+    for orig, hf in _LAYER_RULES:
+        if tail.startswith(orig):
+            return prefix + hf + tail[len(orig):]
+    return prefix + tail

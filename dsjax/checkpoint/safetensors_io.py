@@ -1,0 +1,97 @@
+"""Lazy safetensors reading for every dtype a DeepSeek checkpoint holds.
+
+safetensors' numpy loader cannot read FP8 (it looks for `numpy.float8_e4m3fn`), so the header is
+parsed here and each tensor is a zero-copy view of a memory map, typed with ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file that cannot be read as DeepSeek-V4 weights."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(path: str) -> tuple[dict[str, TensorRef], int]:
+    """The tensors of one .safetensors file and the byte offset where their data starts."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    refs = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        refs[name] = TensorRef(name, path, info["dtype"], tuple(info["shape"]), begin, end)
+    return refs, 8 + n
+
+
+def read_tensor(ref: TensorRef, data_start: int) -> np.ndarray:
+    if ref.dtype not in DTYPES:
+        raise CheckpointError(f"{ref.file}: tensor {ref.name} has unsupported dtype {ref.dtype}")
+    dtype = np.dtype(DTYPES[ref.dtype])
+    count = int(np.prod(ref.shape, dtype=np.int64))
+    if ref.end - ref.begin != count * dtype.itemsize:
+        raise CheckpointError(f"{ref.file}: tensor {ref.name} has {ref.end - ref.begin} bytes, "
+                              f"expected {count * dtype.itemsize} for {ref.dtype}{list(ref.shape)}")
+    mm = np.memmap(ref.file, dtype=np.uint8, mode="r")
+    return mm[data_start + ref.begin:data_start + ref.end].view(dtype).reshape(ref.shape)
+
+
+def checkpoint_files(folder: str) -> list[str]:
+    """The .safetensors files of a model folder: those the index names, or the single model file."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [x for x in files if not os.path.exists(os.path.join(folder, x))]
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that do not exist: {missing}")
+        return [os.path.join(folder, x) for x in files]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    files = sorted(x for x in os.listdir(folder) if x.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no model.safetensors, no index, and no *.safetensors files")
+    return [os.path.join(folder, x) for x in files]
+
+
+def iter_tensors(folder: str) -> Iterator[tuple[str, str, np.ndarray]]:
+    """Yields (name, file, lazily mapped array) for every tensor of the checkpoint in `folder`."""
+    seen: dict[str, str] = {}
+    for path in checkpoint_files(folder):
+        refs, start = read_header(path)
+        for name, ref in refs.items():
+            if name in seen:
+                raise CheckpointError(f"tensor {name} appears in both {seen[name]} and {path}")
+            seen[name] = path
+            yield name, path, read_tensor(ref, start)

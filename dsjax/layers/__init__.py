@@ -1,0 +1,1 @@
+"""DeepSeek-V4 building blocks, one concept per module."""

@@ -1,0 +1,89 @@
+"""The V4 attention block: low-rank queries, one shared K=V head, sinks, window + compressed keys.
+
+Keys are `[sliding-window raw keys | compressed entries]`. Window key k is visible to query q iff
+`q − sw < k ≤ q` (positions); a compressed entry is visible as its compressor decides (HCA: causally
+complete windows; CSA: the indexer's picks). V carries RoPE, so the output's rope slice is rotated
+back by the query position before the grouped output projection.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import CSA, HCA, SLIDING, ModelConfig
+from dsjax.layers.compressor import CSACompressor, HCACompressor
+from dsjax.layers.linear import GroupedLinear, Linear
+from dsjax.layers.norms import RMSNorm, unweighted_rms_norm
+from dsjax.layers.rope import apply_rope, rope_table
+
+
+def window_visible(q_pos_bs: jax.Array, k_pos_bk: jax.Array, window: int) -> jax.Array:
+    """`[B,S,K]` bool: raw key k is visible to query q iff `q − window < k ≤ q`."""
+    q = q_pos_bs[:, :, None]
+    k = k_pos_bk[:, None, :]
+    return (k <= q) & (k > q - window)
+
+
+def attend_with_sinks(q_bshd, kv_bkd, visible_bsk, sinks_h, scale: float) -> jax.Array:
+    """Softmax attention of nh query heads over one shared K=V head, with a per-head sink logit.
+
+    `P = exp(a) / (Σ exp(a) + exp(sink))`: the sink takes probability mass but adds no value.
+    Scores are formed in the activation dtype and the softmax runs in fp32, as in the reference.
+    """
+    s_bhsk = jnp.einsum("bshd,bkd->bhsk", q_bshd, kv_bkd) * jnp.asarray(scale, q_bshd.dtype)
+    s_bhsk = jnp.where(visible_bsk[:, None], s_bhsk.astype(jnp.float32), -jnp.inf)
+    b, h, s, _ = s_bhsk.shape
+    sink_bhs1 = jnp.broadcast_to(sinks_h.astype(jnp.float32)[None, :, None, None], (b, h, s, 1))
+    logits = jnp.concatenate([s_bhsk, sink_bhs1], axis=-1)
+    p_bhsk = jax.nn.softmax(logits, axis=-1)[..., :-1].astype(kv_bkd.dtype)
+    return jnp.einsum("bhsk,bkd->bshd", p_bhsk, kv_bkd)
+
+
+class Attention(nnx.Module):
+    """Shared-KV MQA with sinks for one layer type (sliding, CSA or HCA)."""
+
+    def __init__(self, cfg: ModelConfig, attention_type: str, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.attention_type = attention_type
+        nh, d = cfg.num_attention_heads, cfg.head_dim
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, rngs=rngs, dtype=dtype)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * d, rngs=rngs, dtype=dtype)
+        self.kv_proj = Linear(cfg.hidden_size, d, rngs=rngs, dtype=dtype)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(nh * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups,
+                                      rngs=rngs, dtype=dtype)
+        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, rngs=rngs, dtype=dtype)
+        self.sinks = nnx.Param(jnp.zeros((nh,), jnp.float32))
+        compressors = {SLIDING: None, CSA: CSACompressor, HCA: HCACompressor}
+        cls = compressors[attention_type]
+        self.compressor = None if cls is None else cls(cfg, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x_bsh: jax.Array, positions_bs: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, s, _ = x_bsh.shape
+        cos, sin = rope_table(cfg.rope_for(self.attention_type), cfg.head_dim, positions_bs, x_bsh.dtype)
+        cos_h, sin_h = cos[:, :, None], sin[:, :, None]
+
+        q_res_bsr = self.q_a_norm(self.q_a_proj(x_bsh))
+        q_bshd = self.q_b_proj(q_res_bsr).reshape(b, s, cfg.num_attention_heads, cfg.head_dim)
+        q_bshd = apply_rope(unweighted_rms_norm(q_bshd, cfg.rms_norm_eps), cos_h, sin_h)
+        kv_bsd = apply_rope(self.kv_norm(self.kv_proj(x_bsh)), cos, sin)
+
+        visible_bsk = window_visible(positions_bs, positions_bs, cfg.sliding_window)
+        if self.compressor is not None:
+            entries_btd, entry_visible_bst = self.compressor(x_bsh, q_res_bsr, positions_bs)
+            kv_bsd = jnp.concatenate([kv_bsd, entries_btd], axis=1)
+            visible_bsk = jnp.concatenate([visible_bsk, entry_visible_bst], axis=-1)
+
+        o_bshd = attend_with_sinks(q_bshd, kv_bsd, visible_bsk, self.sinks[...], cfg.head_dim ** -0.5)
+        return self.project_out(o_bshd, cos_h, sin_h)
+
+    def project_out(self, o_bshd, cos_h, sin_h) -> jax.Array:
+        """De-rotate the rope slice at the query position, then the grouped low-rank output projection."""
+        b, s = o_bshd.shape[:2]
+        o_bshd = apply_rope(o_bshd, cos_h, -sin_h)
+        o_bsgi = o_bshd.reshape(b, s, self.cfg.o_groups, -1)
+        return self.o_b_proj(self.o_a_proj(o_bsgi).reshape(b, s, -1))

@@ -1,0 +1,32 @@
+"""One V4 decoder layer: mHC around attention, then mHC around the MoE, on N residual streams."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.layers.attention import Attention
+from dsjax.layers.mhc import HyperConnection, mix_streams
+from dsjax.layers.moe import MoE
+from dsjax.layers.norms import RMSNorm
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, attention_type: str, mlp_type: str, *, rngs: nnx.Rngs,
+                 dtype=jnp.float32):
+        self.attn_hc = HyperConnection(cfg, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, attention_type, rngs=rngs, dtype=dtype)
+        self.ffn_hc = HyperConnection(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg, mlp_type, rngs=rngs, dtype=dtype)
+
+    def __call__(self, h_bsnh: jax.Array, positions_bs: jax.Array, token_ids_bs: jax.Array) -> jax.Array:
+        post, comb, collapsed = self.attn_hc(h_bsnh)
+        a_bsh = self.self_attn(self.input_layernorm(collapsed), positions_bs)
+        h_bsnh = mix_streams(post, comb, a_bsh, h_bsnh)
+        post, comb, collapsed = self.ffn_hc(h_bsnh)
+        f_bsh = self.mlp(self.post_attention_layernorm(collapsed), token_ids_bs)
+        return mix_streams(post, comb, f_bsh, h_bsnh)

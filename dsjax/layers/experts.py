@@ -1,0 +1,63 @@
+"""Routed experts (dropless grouped matmul) and the shared expert, both SwiGLU with V4's clamp."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import tokamax
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.layers.linear import Linear
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """`silu(min(gate, limit)) · clip(up, −limit, limit)`: the gate is clamped from above only."""
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+class RoutedExperts(nnx.Module):
+    """E experts as two stacked weights in `[E, in, out]` layout (the HF tensors transposed), so that
+    `tokamax.ragged_dot` (a Pallas kernel on GPU/TPU, XLA's ragged_dot on CPU) reads them as stored.
+
+    `gate_up_proj [E, H, 2I]`: columns [:I] are the gate (w1), [I:] the up projection (w3).
+    `down_proj [E, I, H]`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.cfg = cfg
+        self.gate_up_proj = nnx.Param((0.02 * jax.random.normal(rngs.params(), (e, h, 2 * i))).astype(dtype))
+        self.down_proj = nnx.Param((0.02 * jax.random.normal(rngs.params(), (e, i, h))).astype(dtype))
+
+    def __call__(self, x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array) -> jax.Array:
+        """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])`: pairs sorted by expert, two grouped matmuls."""
+        n, k = idx_nk.shape
+        e = self.cfg.n_routed_experts
+        flat_e = idx_nk.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+        x_ph = jnp.take(x_nh, order // k, axis=0)
+        gate_up_p = tokamax.ragged_dot(x_ph, self.gate_up_proj[...].astype(x_nh.dtype), group_sizes,
+                                       preferred_element_type=x_nh.dtype)
+        inter = self.cfg.moe_intermediate_size
+        act_p = clamped_swiglu(gate_up_p[:, :inter], gate_up_p[:, inter:], self.cfg.swiglu_limit)
+        y_ph = tokamax.ragged_dot(act_p, self.down_proj[...].astype(x_nh.dtype), group_sizes,
+                                  preferred_element_type=x_nh.dtype)
+        y_ph = y_ph * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
+        y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)
+        return jnp.sum(y_nkh, axis=1)
+
+
+class SharedExpert(nnx.Module):
+    """The one always-on MLP of width `moe_intermediate_size` (whatever `n_shared_experts` says)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        h, i, bias = cfg.hidden_size, cfg.moe_intermediate_size, cfg.mlp_bias
+        self.limit = cfg.swiglu_limit
+        self.gate_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias)
+        self.up_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias)
+        self.down_proj = Linear(i, h, rngs=rngs, dtype=dtype, bias=bias)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

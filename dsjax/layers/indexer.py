@@ -1,0 +1,60 @@
+"""The lightning indexer: scores compressed entries per query and keeps the top-k causally visible ones."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.layers.compressor import Compressor, entry_visible
+from dsjax.layers.linear import Linear
+from dsjax.layers.rope import apply_rope, rope_table
+
+
+class IndexerScorer(nnx.Module):
+    """Per-query head weights `w[b,s,h] = weights_proj(x)·nI^-0.5` (may be negative)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, dtype=dtype)
+
+    def __call__(self, q_bshc: jax.Array, keys_btc: jax.Array, x_bsh: jax.Array) -> jax.Array:
+        """`score[b,s,t] = Σ_h w[b,s,h] · relu(q[b,s,h]·k[b,t]) · c^-0.5`, all in fp32."""
+        n_heads, c = q_bshc.shape[-2:]
+        dots_bsht = jnp.einsum("bshc,btc->bsht", q_bshc.astype(jnp.float32), keys_btc.astype(jnp.float32))
+        s_bsht = jax.nn.relu(dots_bsht) * (c ** -0.5)
+        w_bsh = self.weights_proj(x_bsh).astype(jnp.float32) * (n_heads ** -0.5)
+        return jnp.einsum("bsht,bsh->bst", s_bsht, w_bsh)
+
+
+class Indexer(Compressor):
+    """Its own overlapping compressor at `index_head_dim`, queries from the attention's `q_res`, top-k pick."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        super().__init__(cfg, cfg.index_head_dim, cfg.compress_rate_csa, overlap=True, rngs=rngs, dtype=dtype)
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype)
+        self.scorer = IndexerScorer(cfg, rngs=rngs, dtype=dtype)
+
+    def scores(self, x_bsh, q_res_bsr, positions_bs):
+        """Index scores `[B,S,T]` with causally invisible entries at −inf."""
+        keys_btc = self.compress(x_bsh)
+        b, s, _ = x_bsh.shape
+        q_bshc = self.q_b_proj(q_res_bsr).reshape(b, s, self.cfg.index_n_heads, self.width)
+        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bs, q_bshc.dtype)
+        q_bshc = apply_rope(q_bshc, cos[:, :, None], sin[:, :, None])
+        score_bst = self.scorer(q_bshc, keys_btc, x_bsh)
+        visible = entry_visible(positions_bs, keys_btc.shape[1], self.rate)
+        return jnp.where(visible, score_bst, -jnp.inf), visible
+
+    def __call__(self, x_bsh, q_res_bsr, positions_bs) -> jax.Array:
+        """`[B,S,T]` bool: the ≤ index_topk visible entries with the highest scores, per query."""
+        score_bst, visible = self.scores(x_bsh, q_res_bsr, positions_bs)
+        n_entries = score_bst.shape[-1]
+        k = min(self.cfg.index_topk, n_entries)
+        if k == 0:
+            return visible
+        _, top_bsk = jax.lax.top_k(score_bst, k)
+        picked = jnp.zeros(score_bst.shape, jnp.bool_)
+        picked = jax.vmap(jax.vmap(lambda row, idx: row.at[idx].set(True)))(picked, top_bsk)
+        # Picks past the visible count (−inf scores) are dropped, as the reference turns them into −1.
+        return picked & visible

@@ -1,0 +1,131 @@
+"""The DeepSeek-V4 causal LM: embed → N-stream decoder layers (scanned) → hyper-head → norm → head.
+
+Layers are grouped into runs of a repeating pattern of layer kinds (attention type, MLP type): the
+V4-Flash schedule is 3 × [HCA/hash] then 20 × [CSA/moe, HCA/moe]. Each group's layers are stacked
+and run with one `lax.scan`, so compile time depends on the number of distinct groups, not layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.layers.decoder_layer import DecoderLayer
+from dsjax.layers.linear import Linear
+from dsjax.layers.mhc import HyperHead
+from dsjax.layers.norms import RMSNorm
+
+_MAX_PERIOD = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Layers `start … start + len(pattern)·repeats − 1`, the kinds `pattern` repeated `repeats` times."""
+
+    start: int
+    pattern: tuple[tuple[str, str], ...]
+    repeats: int
+
+    def layer_index(self, repeat: int, position: int) -> int:
+        return self.start + repeat * len(self.pattern) + position
+
+
+def layer_groups(kinds: tuple[tuple[str, str], ...]) -> tuple[LayerGroup, ...]:
+    """Greedily cover the schedule with the longest runs of a pattern (period ≤ 4) repeated at least twice;
+    a layer that starts no such run forms a group of its own."""
+    groups, i = [], 0
+    while i < len(kinds):
+        covered, best_period = 1, 1
+        for period in range(1, _MAX_PERIOD + 1):
+            pattern = kinds[i:i + period]
+            reps = 1
+            while kinds[i + reps * period:i + (reps + 1) * period] == pattern:
+                reps += 1
+            if reps >= 2 and reps * period > covered:
+                covered, best_period = reps * period, period
+        groups.append(LayerGroup(i, tuple(kinds[i:i + best_period]), covered // best_period))
+        i += covered
+    return tuple(groups)
+
+
+def _stack(modules: list[nnx.Module]) -> nnx.Module:
+    """One module whose every variable gains a leading axis over `modules` (all of one structure)."""
+    graphdef, _ = nnx.split(modules[0])
+    states = [nnx.state(m) for m in modules]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+class StackedLayers(nnx.Module):
+    """One layer group: `layers[p]` holds the `repeats` layers at pattern position p, stacked."""
+
+    def __init__(self, cfg: ModelConfig, group: LayerGroup, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.group = group
+        self.layers = nnx.List([
+            _stack([DecoderLayer(cfg, attn, mlp, rngs=rngs, dtype=dtype) for _ in range(group.repeats)])
+            for attn, mlp in group.pattern
+        ])
+
+    def __call__(self, h_bsnh, positions_bs, token_ids_bs):
+        graphdef, state = nnx.split(self.layers)
+
+        def body(h, layer_state):
+            for layer in nnx.merge(graphdef, layer_state):
+                h = layer(h, positions_bs, token_ids_bs)
+            return h, None
+
+        h_bsnh, _ = jax.lax.scan(body, h_bsnh, state)
+        return h_bsnh
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.weight = nnx.Param((0.02 * jax.random.normal(rngs.params(), (vocab, dim))).astype(dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0, mode="clip")
+
+
+class DeepseekV4(nnx.Module):
+    """`model(input_ids [B,T], lengths=None)` → float32 logits `[B,T,vocab]` for whole sequences.
+
+    `lengths [B]` marks right padding: each row's logits at positions < its length equal those of the
+    row run alone; logits at padded positions are zero.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.groups_meta = layer_groups(cfg.layer_kinds)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
+        self.groups = nnx.List([StackedLayers(cfg, g, rngs=rngs, dtype=dtype) for g in self.groups_meta])
+        self.hc_head = HyperHead(cfg, rngs=rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype))
+
+    def hidden_states(self, input_ids: jax.Array) -> jax.Array:
+        """Final normed hidden states `[B,T,H]` (positions 0…T−1 in every row)."""
+        b, t = input_ids.shape
+        positions_bs = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = self.embed_tokens(input_ids)
+        h_bsnh = jnp.broadcast_to(x[:, :, None, :], (b, t, self.cfg.hc_mult, x.shape[-1]))
+        for group in self.groups:
+            h_bsnh = group(h_bsnh, positions_bs, input_ids)
+        return self.norm(self.hc_head(h_bsnh))
+
+    def logits(self, hidden_bsh: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            w = self.embed_tokens.weight[...].astype(hidden_bsh.dtype)
+            return jnp.einsum("bsh,vh->bsv", hidden_bsh, w).astype(jnp.float32)
+        return self.lm_head(hidden_bsh).astype(jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+        logits = self.logits(self.hidden_states(input_ids))
+        if lengths is not None:
+            valid_bs = jnp.arange(input_ids.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
+            logits = jnp.where(valid_bs[..., None], logits, 0.0)
+        return logits

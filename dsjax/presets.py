@@ -1,0 +1,51 @@
+"""Named model presets, as data: each is a transformers-style `config.json` dict for `ModelConfig.from_hf`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Small enough for CPU tests and demos, yet every layer type (sliding, CSA, HCA), both MLP types,
+    # YaRN on the compress rope, and windows that close within a few dozen tokens.
+    "tiny": {
+        "model_type": "deepseek_v4",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "partial_rotary_factor": 0.25,
+        "q_lora_rank": 32,
+        "num_experts_per_tok": 2,
+        "n_routed_experts": 8,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                        "heavily_compressed_attention", "compressed_sparse_attention"],
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 256,
+        "sliding_window": 8,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "index_n_heads": 16,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+    },
+    # DeepSeek-V4-Flash: the reference's default dimensions (DeepseekV4Config()), 43 layers.
+    "v4-flash": {"model_type": "deepseek_v4"},
+    # DeepSeek-V4.1-Flash: the V4 architecture with 40 decoder layers and ~552B parameters, as DeepSeek
+    # describes it. DeepSeek has not published the remaining dimensions; ours keep every V4-Flash
+    # attention, mHC and indexer dimension and grow the routed-expert pool, which is where V4 keeps its
+    # parameters: 544 routed experts (68 per GPU on 8, 17 per GPU on 32) of width 2048, 6 active per
+    # token, as in V4-Flash. The first 3 layers stay hash-routed and the CSA/HCA schedule is the
+    # reference default truncated to 40 layers. Total: see `dsjax info --preset v4.1-flash`.
+    "v4.1-flash": {
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": 40,
+        "n_routed_experts": 544,
+    },
+}
