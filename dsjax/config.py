@@ -111,6 +111,7 @@ class ModelConfig:
     index_head_dim: int
     index_topk: int
     rms_norm_eps: float
+    partial_rotary_factor: float = 64 / 512
     max_position_embeddings: int = 1048576
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
@@ -129,7 +130,8 @@ class ModelConfig:
     # ---------------------------------------------------------------- derived
     @property
     def qk_rope_head_dim(self) -> int:
-        return self.rope_main.rope_dim(self.head_dim)
+        """The reference's runtime attribute; the rotated width itself comes from each rope table."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def rope_for(self, attention_type: str) -> RopeConfig:
         """Pure sliding layers use `main`; CSA/HCA layers use `compress` for queries and window keys."""
@@ -165,9 +167,10 @@ class ModelConfig:
                               f"n_routed_experts ({self.n_routed_experts})")
         for label, rope in (("main", self.rope_main), ("compress", self.rope_compress)):
             rd = rope.rope_dim(self.head_dim)
-            if rd % 2 or rd <= 0 or rd > min(self.head_dim, self.index_head_dim):
+            limit = self.head_dim if label == "main" else min(self.head_dim, self.index_head_dim)
+            if rd % 2 or rd <= 0 or rd > limit:
                 raise ConfigError(f"rope '{label}' rotates {rd} channels: it must be even, positive and at "
-                                  f"most head_dim ({self.head_dim}) and index_head_dim ({self.index_head_dim})")
+                                  f"most {limit} (head_dim {self.head_dim}, index_head_dim {self.index_head_dim})")
             if rope.rope_type not in ("default", "yarn"):
                 raise ConfigError(f"rope '{label}': rope_type {rope.rope_type!r} is not supported "
                                   "(DeepSeek-V4 uses 'default' or 'yarn')")
@@ -221,7 +224,7 @@ class ModelConfig:
             "mlp_layer_types": list(self.mlp_layer_types),
             "compress_rates": {CSA: self.compress_rate_csa, HCA: self.compress_rate_hca},
             "rope_parameters": {"main": self.rope_main.to_hf(), "compress": self.rope_compress.to_hf()},
-            "partial_rotary_factor": self.rope_main.partial_rotary_factor,
+            "partial_rotary_factor": self.partial_rotary_factor,
             "hc_mult": self.hc_mult,
             "hc_sinkhorn_iters": self.hc_sinkhorn_iters,
             "hc_eps": self.hc_eps,
@@ -337,6 +340,7 @@ def _derive(raw: dict[str, Any]) -> dict[str, Any]:
         index_head_dim=int(g("index_head_dim", 128)),
         index_topk=int(g("index_topk", 512)),
         rms_norm_eps=float(g("rms_norm_eps", 1e-6)),
+        partial_rotary_factor=prf,
         max_position_embeddings=max_pos,
         mlp_bias=bool(g("mlp_bias", False)),
         tie_word_embeddings=bool(g("tie_word_embeddings", False)),

@@ -8,6 +8,7 @@ and run with one `lax.scan`, so compile time depends on the number of distinct g
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,15 @@ class DeepseekV4(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype))
 
+    def layer(self, index: int) -> DecoderLayer:
+        """Decoder layer `index` on its own (a view of its slice of the stacked weights)."""
+        for group, meta in zip(self.groups, self.groups_meta):
+            if meta.start <= index < meta.start + len(meta.pattern) * meta.repeats:
+                repeat, position = divmod(index - meta.start, len(meta.pattern))
+                graphdef, state = nnx.split(group.layers[position])
+                return nnx.merge(graphdef, jax.tree.map(lambda x: x[repeat], state))
+        raise IndexError(f"layer {index} out of range for {self.cfg.num_hidden_layers} layers")
+
     def hidden_states(self, input_ids: jax.Array) -> jax.Array:
         """Final normed hidden states `[B,T,H]` (positions 0…T−1 in every row)."""
         b, t = input_ids.shape
@@ -124,8 +134,18 @@ class DeepseekV4(nnx.Module):
         return self.lm_head(hidden_bsh).astype(jnp.float32)
 
     def __call__(self, input_ids: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+        graphdef, state = nnx.split(self)
+        return _jitted_forward(graphdef, state, input_ids, lengths)
+
+    def forward(self, input_ids: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+        """The traceable forward behind `__call__` (which jits it); use it inside your own transforms."""
         logits = self.logits(self.hidden_states(input_ids))
         if lengths is not None:
             valid_bs = jnp.arange(input_ids.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
             logits = jnp.where(valid_bs[..., None], logits, 0.0)
         return logits
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_forward(graphdef, state, input_ids, lengths):
+    return nnx.merge(graphdef, state).forward(input_ids, lengths)

@@ -12,11 +12,11 @@ from dsjax.layers.norms import unweighted_rms_norm
 
 def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:
     """Column-normalise, then `iters−1` rounds of row+column normalisation (ends column-normalised)."""
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-    return comb
+    def normalise(c, axis):
+        return c / (jnp.sum(c, axis=axis, keepdims=True) + eps)
+
+    comb = normalise(comb, -2)
+    return jax.lax.fori_loop(0, max(iters - 1, 0), lambda _, c: normalise(normalise(c, -1), -2), comb)
 
 
 def collapse(pre_bsn: jax.Array, h_bsnh: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ buffer a non-trivial random value (nothing left at 0, 1 or identity), and writes
   OUT/<case>/original/  the original DeepSeek names, sharded by hand; reloaded through
                         transformers to prove the naming is one it accepts
   OUT/<case>/logits_<T>.npy     logits for input_ids_<T>.npy, for each sequence length T
+  OUT/<case>/logits_bf16_<T>.npy the same from a bf16 load, for the longest sequence
   OUT/<case>/capture.npz        per-module inputs and outputs for the longest sequence
 It also writes OUT/configs.json (derived config fields and rope tables for each raw config) and
 OUT/param_counts.json (parameter counts of default-config models, built on the meta device).
@@ -231,6 +232,8 @@ def run_case(case: dict, out_dir: str) -> None:
         np.save(os.path.join(folder, f"logits_{t}.npy"), _np(logits))
     t = max(case["seq_lens"])
     ids = torch.from_numpy(np.load(os.path.join(folder, f"input_ids_{t}.npy")))
+    bf16 = DeepseekV4ForCausalLM.from_pretrained(os.path.join(folder, "hf"), dtype=torch.bfloat16).eval()
+    np.save(os.path.join(folder, f"logits_bf16_{t}.npy"), _np(bf16(input_ids=ids).logits))
     np.savez(os.path.join(folder, "capture.npz"), input_ids=ids.numpy(), **capture(model, ids))
 
 

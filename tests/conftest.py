@@ -1,0 +1,83 @@
+"""Test setup: 8 host CPU devices, and one run of the Hugging Face reference shared by every parity test."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.reference.spec import SPEC  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "tests" / "reference" / "run_reference.py"
+
+
+def reference_python() -> str:
+    return os.environ.get("DSJAX_REF_PYTHON", str(ROOT / ".venv-ref" / "bin" / "python"))
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> Path:
+    """Folder of reference outputs (checkpoints, logits, per-module captures); see run_reference.py."""
+    py = reference_python()
+    if not os.path.exists(py):
+        pytest.fail(f"the reference environment is missing: {py} does not exist. Create it with "
+                    "`.ci/setup-reference` or point DSJAX_REF_PYTHON at a Python 3.11 with torch==2.13.0 "
+                    "and transformers==5.23.0.")
+    out = tmp_path_factory.mktemp("reference")
+    spec = out / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+    proc = subprocess.run([py, str(HARNESS), str(spec), str(out)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"reference harness failed:\n{proc.stderr[-4000:]}")
+    return out
+
+
+_MODELS: dict = {}
+
+
+@pytest.fixture(scope="session")
+def load_case(reference):
+    """`load_case(case, naming="hf", dtype=float32)` → the dsjax model for a reference case (cached)."""
+    import jax.numpy as jnp
+
+    import dsjax
+
+    def load(case: str, naming: str = "hf", dtype=jnp.float32):
+        key = (case, naming, dtype)
+        if key not in _MODELS:
+            _MODELS[key] = dsjax.load_model(reference / case / naming, dtype=dtype)
+        return _MODELS[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def capture(reference):
+    """`capture(case)` → dict of the reference's per-module inputs/outputs for its longest sequence."""
+    cache = {}
+
+    def get(case: str):
+        if case not in cache:
+            cache[case] = dict(np.load(reference / case / "capture.npz"))
+        return cache[case]
+
+    return get
+
+
+def assert_close(ours, ref, rtol: float = 1e-5, what: str = "") -> None:
+    """max |ours − ref| ≤ rtol · max |ref| (the parity criterion, scaled to the tensor)."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, f"{what}: shape {ours.shape} != {ref.shape}"
+    err = np.max(np.abs(ours - ref)) if ref.size else 0.0
+    scale = max(np.max(np.abs(ref)) if ref.size else 0.0, 1e-30)
+    assert err <= rtol * scale, f"{what}: max |diff| {err:.3g} > {rtol:g} × max |ref| {scale:.3g}"
+
+
