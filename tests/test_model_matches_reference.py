@@ -1,6 +1,7 @@
 """Full-model parity with the Hugging Face reference, in fp32, for every naming and several lengths."""
 
 import jax
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,3 +47,29 @@ def test_right_padded_batch_rows_equal_rows_alone(load_case, case):
         alone = np.asarray(model(jnp.asarray(ids[i:i + 1, :n])))[0]
         assert_close(batch[i, :n], alone, rtol=1e-5, what=f"row {i} (length {n})")
         assert np.all(batch[i, n:] == 0)
+
+
+@pytest.mark.parametrize("leaf, trivial", [
+    ("self_attn.sinks", 0.0),
+    ("compressor.position_bias", 0.0),
+    ("indexer.position_bias", 0.0),
+    ("attn_hc.base", 0.0),
+    ("ffn_hc.scale", 1.0),
+    ("mlp.gate.e_score_correction_bias", 0.0),
+    ("mlp.gate.tid2eid", 0),
+    ("hc_head.hc_base", 0.0),
+])
+def test_parity_would_catch_a_feature_left_out(reference, load_case, leaf, trivial):
+    """Setting one feature to its trivial value must move the logits far beyond the parity tolerance,
+    so the parity tests cannot pass with that feature ignored."""
+    model = nnx.clone(load_case("mixed"))
+    hit = 0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        if ".".join(str(p) for p in path).endswith(leaf):
+            var.set_value(jnp.full_like(var.get_value(), trivial))
+            hit += 1
+    assert hit
+    ids = np.load(reference / "mixed" / "input_ids_64.npy")
+    ref = np.load(reference / "mixed" / "logits_64.npy")
+    err = np.abs(np.asarray(model(jnp.asarray(ids))) - ref).max()
+    assert err > 1e-2 * np.abs(ref).max(), f"{leaf}: logits moved only {err:.3g}"
