@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsjax.cache import Cache
 from dsjax.config import ModelConfig
 from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.layers.linear import Linear
@@ -81,6 +82,20 @@ class StackedLayers(nnx.Module):
         h_bsnh, _ = jax.lax.scan(body, h_bsnh, state)
         return h_bsnh
 
+    def extend(self, h_bcnh, token_ids_bc, start_b, n_valid_b, caches: tuple):
+        """Cached form: `caches[p]` is pattern position p's LayerCache stacked over the repeats."""
+        graphdef, state = nnx.split(self.layers)
+
+        def body(h, xs):
+            layer_state, layer_caches = xs
+            new = []
+            for layer, cache in zip(nnx.merge(graphdef, layer_state), layer_caches):
+                h, cache = layer.extend(h, token_ids_bc, start_b, n_valid_b, cache)
+                new.append(cache)
+            return h, tuple(new)
+
+        return jax.lax.scan(body, h_bcnh, (state, caches))
+
 
 class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
@@ -126,6 +141,19 @@ class DeepseekV4(nnx.Module):
         for group in self.groups:
             h_bsnh = group(h_bsnh, positions_bs, input_ids)
         return self.norm(self.hc_head(h_bsnh))
+
+    def extend(self, tokens_bc: jax.Array, cache: Cache, start_b: jax.Array, n_valid_b: jax.Array):
+        """Run C new tokens per slot through the cache: row b's tokens sit at positions start[b]…, of
+        which the first n_valid[b] are real (0 leaves the slot untouched). Returns the final hidden
+        states `[B,C,H]` and the cache with those tokens added (`lengths = start + n_valid`)."""
+        b, c = tokens_bc.shape
+        x = self.embed_tokens(tokens_bc)
+        h = jnp.broadcast_to(x[:, :, None, :], (b, c, self.cfg.hc_mult, x.shape[-1]))
+        groups = []
+        for group, caches in zip(self.groups, cache.groups):
+            h, caches = group.extend(h, tokens_bc, start_b, n_valid_b, caches)
+            groups.append(caches)
+        return self.norm(self.hc_head(h)), Cache(lengths=start_b + n_valid_b, groups=tuple(groups))
 
     def logits(self, hidden_bsh: jax.Array) -> jax.Array:
         if self.lm_head is None:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsjax.cache import LayerCache
 from dsjax.config import CSA, HCA, SLIDING, ModelConfig
 from dsjax.layers.compressor import CSACompressor, HCACompressor
 from dsjax.layers.linear import GroupedLinear, Linear
@@ -61,17 +62,20 @@ class Attention(nnx.Module):
         cls = compressors[attention_type]
         self.compressor = None if cls is None else cls(cfg, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x_bsh: jax.Array, positions_bs: jax.Array) -> jax.Array:
+    def _project_in(self, x_bsh, positions_bs):
+        """Rope tables, q_res (shared with the indexer), rotated queries and rotated shared K=V."""
         cfg = self.cfg
         b, s, _ = x_bsh.shape
         cos, sin = rope_table(cfg.rope_for(self.attention_type), cfg.head_dim, positions_bs, x_bsh.dtype)
-        cos_h, sin_h = cos[:, :, None], sin[:, :, None]
-
         q_res_bsr = self.q_a_norm(self.q_a_proj(x_bsh))
         q_bshd = self.q_b_proj(q_res_bsr).reshape(b, s, cfg.num_attention_heads, cfg.head_dim)
-        q_bshd = apply_rope(unweighted_rms_norm(q_bshd, cfg.rms_norm_eps), cos_h, sin_h)
+        q_bshd = apply_rope(unweighted_rms_norm(q_bshd, cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
         kv_bsd = apply_rope(self.kv_norm(self.kv_proj(x_bsh)), cos, sin)
+        return cos[:, :, None], sin[:, :, None], q_res_bsr, q_bshd, kv_bsd
 
+    def __call__(self, x_bsh: jax.Array, positions_bs: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        cos_h, sin_h, q_res_bsr, q_bshd, kv_bsd = self._project_in(x_bsh, positions_bs)
         visible_bsk = window_visible(positions_bs, positions_bs, cfg.sliding_window)
         if self.compressor is not None:
             entries_btd, entry_visible_bst = self.compressor(x_bsh, q_res_bsr, positions_bs)
@@ -81,9 +85,46 @@ class Attention(nnx.Module):
         o_bshd = attend_with_sinks(q_bshd, kv_bsd, visible_bsk, self.sinks[...], cfg.head_dim ** -0.5)
         return self.project_out(o_bshd, cos_h, sin_h)
 
+    def extend(self, x_bch: jax.Array, start_b: jax.Array, n_valid_b: jax.Array, cache: LayerCache):
+        """Cached attention for C new tokens per row at positions start…start+C−1 (the first n_valid
+        real): keys are the window ring, the chunk itself and the cached compressed entries."""
+        cfg = self.cfg
+        w = cfg.sliding_window
+        c_len = x_bch.shape[1]
+        positions_bc = start_b[:, None] + jnp.arange(c_len)[None, :]
+        cos_h, sin_h, q_res_bcr, q_bchd, kv_bcd = self._project_in(x_bch, positions_bc)
+
+        ring_pos_bw = _ring_positions(start_b - 1, w)
+        keys_bkd = jnp.concatenate([cache.window.astype(kv_bcd.dtype), kv_bcd], axis=1)
+        key_pos_bk = jnp.concatenate([ring_pos_bw, positions_bc], axis=1)
+        key_real_bk = jnp.concatenate([ring_pos_bw >= 0, jnp.arange(c_len)[None, :] < n_valid_b[:, None]], 1)
+        visible_bck = window_visible(positions_bc, key_pos_bk, w) & key_real_bk[:, None, :]
+        states = {}
+        if self.compressor is not None:
+            entries_btd, entry_visible_bct, states = self.compressor.extend(
+                x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache)
+            keys_bkd = jnp.concatenate([keys_bkd, entries_btd.astype(kv_bcd.dtype)], axis=1)
+            visible_bck = jnp.concatenate([visible_bck, entry_visible_bct], axis=-1)
+
+        o_bchd = attend_with_sinks(q_bchd, keys_bkd, visible_bck, self.sinks[...], cfg.head_dim ** -0.5)
+        # The ring keeps, for each slot i, the newest real position ≡ i (mod W).
+        new_pos_bw = _ring_positions(start_b + n_valid_b - 1, w)
+        from_chunk = new_pos_bw >= start_b[:, None]
+        idx = jnp.clip(new_pos_bw - start_b[:, None], 0, c_len - 1)
+        ring = jnp.where(from_chunk[..., None], jnp.take_along_axis(kv_bcd, idx[..., None], axis=1).astype(
+            cache.window.dtype), cache.window)
+        return self.project_out(o_bchd, cos_h, sin_h), LayerCache(ring, **states)
+
     def project_out(self, o_bshd, cos_h, sin_h) -> jax.Array:
         """De-rotate the rope slice at the query position, then the grouped low-rank output projection."""
         b, s = o_bshd.shape[:2]
         o_bshd = apply_rope(o_bshd, cos_h, -sin_h)
         o_bsgi = o_bshd.reshape(b, s, self.cfg.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(o_bsgi).reshape(b, s, -1))
+
+
+def _ring_positions(last_b: jax.Array, window: int) -> jax.Array:
+    """`[B, W]`: the position held by ring slot i when `last` is the newest position written
+    (the largest p ≤ last with p ≡ i mod W); negative where nothing was written yet."""
+    i = jnp.arange(window)[None, :]
+    return last_b[:, None] - jnp.mod(last_b[:, None] - i, window)

@@ -13,6 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import dataclasses
+
+from dsjax.cache import CompressorState
 from dsjax.config import ModelConfig
 from dsjax.layers.linear import Linear
 from dsjax.layers.norms import RMSNorm
@@ -45,25 +48,94 @@ class Compressor(nnx.Module):
         b, s, _ = x_bsh.shape
         m = self.rate
         n_win = s // m
-        usable = x_bsh[:, : n_win * m]
         n = self.position_bias.shape[-1]
-        kv_bwmn = self.kv_proj(usable).reshape(b, n_win, m, n)
-        gate_bwmn = self.gate_proj(usable).reshape(b, n_win, m, n) + self.position_bias[...]
-        if self.overlap:
-            kv_bwmn, gate_bwmn = self._overlap_pool(kv_bwmn, gate_bwmn)
-        p = jax.nn.softmax(gate_bwmn.astype(jnp.float32), axis=2).astype(kv_bwmn.dtype)
-        pooled_bwc = self.kv_norm(jnp.sum(kv_bwmn * p, axis=2))
-        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, jnp.arange(n_win) * m, pooled_bwc.dtype)
-        return apply_rope(pooled_bwc, cos, sin)
+        usable = x_bsh[:, : n_win * m]
+        kv_bkmn = self.kv_proj(usable).reshape(b, n_win, m, n)
+        gate_bkmn = self.gate_proj(usable).reshape(b, n_win, m, n)
+        return self.pool(kv_bkmn, gate_bkmn, jnp.zeros((b,), jnp.int32))
 
-    def _overlap_pool(self, kv_bwmn, gate_bwmn):
-        """Slots [0,m) hold window w−1's Ca (zero kv, −inf gate for w=0), slots [m,2m) window w's Cb."""
-        c = self.width
-        ca_kv, cb_kv = kv_bwmn[..., :c], kv_bwmn[..., c:]
-        ca_gate, cb_gate = gate_bwmn[..., :c], gate_bwmn[..., c:]
-        prev_kv = jnp.concatenate([jnp.zeros_like(ca_kv[:, :1]), ca_kv[:, :-1]], axis=1)
-        prev_gate = jnp.concatenate([jnp.full_like(ca_gate[:, :1], -jnp.inf), ca_gate[:, :-1]], axis=1)
-        return (jnp.concatenate([prev_kv, cb_kv], axis=2), jnp.concatenate([prev_gate, cb_gate], axis=2))
+    def pool(self, kv_bkmn, gate_bkmn, first_window_b, prev_kv_bmw=None, prev_gate_bmw=None,
+             has_prev_b=None) -> jax.Array:
+        """Entries for K consecutive windows of raw (unbiased) projections, the first being window
+        `first_window_b`: `[B, K, width]`, RoPE'd at each window's start position.
+
+        With `overlap`, window k pools [Ca of window k−1 | Cb of window k]; window 0's predecessor is
+        `prev_*` where `has_prev_b`, else empty (zero kv, −inf gate: weight 0).
+        """
+        m, c = self.rate, self.width
+        bias_mn = self.position_bias[...]
+        gate_bkmn = gate_bkmn + bias_mn
+        if self.overlap:
+            ca_kv, cb_kv = kv_bkmn[..., :c], kv_bkmn[..., c:]
+            ca_gate, cb_gate = gate_bkmn[..., :c], gate_bkmn[..., c:]
+            if prev_kv_bmw is None:
+                first_kv = jnp.zeros_like(ca_kv[:, :1])
+                first_gate = jnp.full_like(ca_gate[:, :1], -jnp.inf)
+            else:
+                keep = has_prev_b[:, None, None]
+                first_kv = jnp.where(keep, prev_kv_bmw, 0).astype(ca_kv.dtype)[:, None]
+                first_gate = jnp.where(keep, prev_gate_bmw + bias_mn[:, :c], -jnp.inf)[:, None]
+                first_gate = first_gate.astype(ca_gate.dtype)
+            kv_bkmn = jnp.concatenate([jnp.concatenate([first_kv, ca_kv[:, :-1]], 1), cb_kv], axis=2)
+            gate_bkmn = jnp.concatenate([jnp.concatenate([first_gate, ca_gate[:, :-1]], 1), cb_gate], axis=2)
+        p = jax.nn.softmax(gate_bkmn.astype(jnp.float32), axis=2).astype(kv_bkmn.dtype)
+        pooled_bkc = self.kv_norm(jnp.sum(kv_bkmn * p, axis=2))
+        k = pooled_bkc.shape[1]
+        positions_bk = (first_window_b[:, None] + jnp.arange(k)[None, :]) * m
+        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bk, pooled_bkc.dtype)
+        return apply_rope(pooled_bkc, cos, sin)
+
+    def extend(self, x_bch: jax.Array, state: CompressorState, start_b: jax.Array, n_valid_b: jax.Array):
+        """Append C chunk tokens (the first `n_valid` of each row are real) after `start` cached ones.
+
+        Returns all entries `[B, max_len // m, width]` (those of windows completed here written in)
+        and the new state. Positions past a row's real tokens never change it.
+        """
+        b, c_len, _ = x_bch.shape
+        m = self.rate
+        kv_new = self.kv_proj(x_bch)
+        gate_new = self.gate_proj(x_bch)
+        # Align the span [w0·m, start + C) to whole windows: K windows from the buffer's window w0 on.
+        n_win = -(-(m - 1 + c_len) // m)
+        span = n_win * m
+        w0_b = start_b // m
+        off_b = start_b - w0_b * m
+        j = jnp.arange(span)[None, :]
+        from_buf = j < off_b[:, None]
+        buf_idx = jnp.minimum(j, m - 1)
+        chunk_idx = jnp.clip(j - off_b[:, None], 0, c_len - 1)
+
+        def aligned(buf_bmn, new_bcn):
+            a = jnp.take_along_axis(buf_bmn, jnp.broadcast_to(buf_idx, (b, span))[..., None], axis=1)
+            c = jnp.take_along_axis(new_bcn, chunk_idx[..., None], axis=1)
+            return jnp.where(from_buf[..., None], a, c.astype(a.dtype))
+
+        n = kv_new.shape[-1]
+        kv_bkmn = aligned(state.buffer_kv, kv_new).reshape(b, n_win, m, n)
+        gate_bkmn = aligned(state.buffer_gate, gate_new).reshape(b, n_win, m, n)
+        pooled = self.pool(kv_bkmn, gate_bkmn, w0_b, state.overlap_kv, state.overlap_gate, w0_b > 0)
+
+        end_b = start_b + n_valid_b
+        w_idx_bk = w0_b[:, None] + jnp.arange(n_win)[None, :]
+        complete_bk = (w_idx_bk + 1) * m <= end_b[:, None]
+        capacity = state.entries.shape[1]
+        # Windows that complete get written; the rest are sent out of range and dropped.
+        target = jnp.where(complete_bk & (w_idx_bk < capacity), w_idx_bk, capacity)
+        rows = jnp.arange(b)[:, None]
+        entries = state.entries.at[rows, target].set(pooled.astype(state.entries.dtype), mode="drop")
+
+        w_end_b = end_b // m
+        tail_k = jnp.clip(w_end_b - w0_b, 0, n_win - 1)  # window (within the span) holding the new tail
+        take = lambda a_bkmx, k_b: jnp.take_along_axis(a_bkmx, k_b[:, None, None, None], axis=1)[:, 0]  # noqa
+        new = dataclasses.replace(state, entries=entries,
+                                  buffer_kv=take(kv_bkmn, tail_k), buffer_gate=take(gate_bkmn, tail_k))
+        if self.overlap:
+            last_k = jnp.clip(w_end_b - 1 - w0_b, 0, n_win - 1)
+            moved = (w_end_b > w0_b)[:, None, None]
+            c = self.width
+            new.overlap_kv = jnp.where(moved, take(kv_bkmn, last_k)[..., :c], state.overlap_kv)
+            new.overlap_gate = jnp.where(moved, take(gate_bkmn, last_k)[..., :c], state.overlap_gate)
+        return entries, new
 
 
 class HCACompressor(Compressor):
@@ -76,6 +148,11 @@ class HCACompressor(Compressor):
         """Entries `[B,T,D]` and the `[B,S,T]` visibility mask."""
         entries = self.compress(x_bsh)
         return entries, entry_visible(positions_bs, entries.shape[1], self.rate)
+
+    def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache):
+        """Cached form: (all entries, their visibility `[B,C,T]`, new LayerCache fields)."""
+        entries, state = Compressor.extend(self, x_bch, cache.compressor, start_b, n_valid_b)
+        return entries, entry_visible(positions_bc, entries.shape[1], self.rate), {"compressor": state}
 
 
 class CSACompressor(Compressor):
@@ -91,3 +168,9 @@ class CSACompressor(Compressor):
         """Entries `[B,T,D]` and the `[B,S,T]` mask of the entries the indexer selected per query."""
         entries = self.compress(x_bsh)
         return entries, self.indexer(x_bsh, q_res_bsr, positions_bs)
+
+    def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache):
+        entries, state = Compressor.extend(self, x_bch, cache.compressor, start_b, n_valid_b)
+        picked, index_state = self.indexer.extend(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b,
+                                                  cache.indexer)
+        return entries, picked, {"compressor": state, "indexer": index_state}

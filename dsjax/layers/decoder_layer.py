@@ -30,3 +30,12 @@ class DecoderLayer(nnx.Module):
         post, comb, collapsed = self.ffn_hc(h_bsnh)
         f_bsh = self.mlp(self.post_attention_layernorm(collapsed), token_ids_bs)
         return mix_streams(post, comb, f_bsh, h_bsnh)
+
+    def extend(self, h_bcnh, token_ids_bc, start_b, n_valid_b, cache):
+        """The cached form for a chunk of C tokens per row; returns the new streams and layer cache."""
+        post, comb, collapsed = self.attn_hc(h_bcnh)
+        a_bch, cache = self.self_attn.extend(self.input_layernorm(collapsed), start_b, n_valid_b, cache)
+        h_bcnh = mix_streams(post, comb, a_bch, h_bcnh)
+        post, comb, collapsed = self.ffn_hc(h_bcnh)
+        f_bch = self.mlp(self.post_attention_layernorm(collapsed), token_ids_bc)
+        return mix_streams(post, comb, f_bch, h_bcnh), cache

@@ -35,9 +35,10 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype)
         self.scorer = IndexerScorer(cfg, rngs=rngs, dtype=dtype)
 
-    def scores(self, x_bsh, q_res_bsr, positions_bs):
-        """Index scores `[B,S,T]` with causally invisible entries at −inf."""
-        keys_btc = self.compress(x_bsh)
+    def scores(self, x_bsh, q_res_bsr, positions_bs, keys_btc=None):
+        """Index scores `[B,S,T]` with causally invisible entries at −inf (keys default to x's own)."""
+        if keys_btc is None:
+            keys_btc = self.compress(x_bsh)
         b, s, _ = x_bsh.shape
         q_bshc = self.q_b_proj(q_res_bsr).reshape(b, s, self.cfg.index_n_heads, self.width)
         cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bs, q_bshc.dtype)
@@ -48,7 +49,15 @@ class Indexer(Compressor):
 
     def __call__(self, x_bsh, q_res_bsr, positions_bs) -> jax.Array:
         """`[B,S,T]` bool: the ≤ index_topk visible entries with the highest scores, per query."""
-        score_bst, visible = self.scores(x_bsh, q_res_bsr, positions_bs)
+        return self.select(*self.scores(x_bsh, q_res_bsr, positions_bs))
+
+    def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, state):
+        """Cached form: the selection over all cached keys `[B,C,max_len//m]` and the new key state."""
+        keys, state = Compressor.extend(self, x_bch, state, start_b, n_valid_b)
+        return self.select(*self.scores(x_bch, q_res_bcr, positions_bc, keys)), state
+
+    def select(self, score_bst: jax.Array, visible: jax.Array) -> jax.Array:
+        """Top `min(index_topk, T)` of each query's scores, restricted to visible entries."""
         n_entries = score_bst.shape[-1]
         k = min(self.cfg.index_topk, n_entries)
         if k == 0:
