@@ -9,6 +9,7 @@ from dsjax.config import ModelConfig
 
 
 def _info(args: argparse.Namespace) -> int:
+    from dsjax.cache import cache_bytes_per_token
     from dsjax.info import COMPONENTS, model_info
 
     cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
@@ -19,6 +20,12 @@ def _info(args: argparse.Namespace) -> int:
         n = info.by_component[comp]
         print(f"  {comp:<15} {n:>18,}  {100 * n / info.total:5.1f}%")
     print(f"  layers: {cfg.num_hidden_layers} ({', '.join(f'{t}×{cfg.layer_types.count(t)}' for t in sorted(set(cfg.layer_types)))})")
+    context = args.context or cfg.max_position_embeddings
+    per_type = cache_bytes_per_token(cfg, context)
+    whole = sum(per_type[t] * cfg.layer_types.count(t) for t in per_type)
+    print(f"  cache per token of context at {context:,} tokens (bf16): "
+          + ", ".join(f"{t} {b:,.0f} B/layer" for t, b in per_type.items())
+          + f"; whole model {whole / 1024:,.1f} KiB/token")
     return 0
 
 
@@ -29,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = info.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="tiny, v4-flash or v4.1-flash")
     src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
+    info.add_argument("--context", type=int, help="context length for the cache report "
+                      "(default: max_position_embeddings)")
     info.set_defaults(func=_info)
     return parser
 

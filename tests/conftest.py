@@ -29,7 +29,7 @@ def reference(tmp_path_factory) -> Path:
     py = reference_python()
     if not os.path.exists(py):
         pytest.fail(f"the reference environment is missing: {py} does not exist. Create it with "
-                    "`.ci/setup-reference` or point DSJAX_REF_PYTHON at a Python 3.11 with torch==2.13.0 "
+                    "`bash .ci/setup` or point DSJAX_REF_PYTHON at a Python 3.11 with torch==2.13.0 "
                     "and transformers==5.23.0.")
     out = tmp_path_factory.mktemp("reference")
     spec = out / "spec.json"

@@ -30,6 +30,7 @@ def test_info_cli(capsys):
     assert main(["info", "--preset", "v4.1-flash"]) == 0
     out = capsys.readouterr().out
     assert "total 554.53B parameters" in out and "routed_experts" in out and "active per token" in out
+    assert "cache per token" in out and "compressed_sparse_attention" in out
 
 
 def test_info_cli_bad_preset(capsys):

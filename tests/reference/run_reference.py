@@ -10,6 +10,7 @@ buffer a non-trivial random value (nothing left at 0, 1 or identity), and writes
                         transformers to prove the naming is one it accepts
   OUT/<case>/logits_<T>.npy     logits for input_ids_<T>.npy, for each sequence length T
   OUT/<case>/logits_bf16_<T>.npy the same from a bf16 load, for the longest sequence
+  OUT/<case>/generate_<T>.npz   greedy generate(): prompt, new tokens, per-step logits
   OUT/<case>/capture.npz        per-module inputs and outputs for the longest sequence
 It also writes OUT/configs.json (derived config fields and rope tables for each raw config) and
 OUT/param_counts.json (parameter counts of default-config models, built on the meta device).
@@ -230,11 +231,25 @@ def run_case(case: dict, out_dir: str) -> None:
             raise RuntimeError(f"{case['name']}: the original-name checkpoint reloads to different logits")
         np.save(os.path.join(folder, f"input_ids_{t}.npy"), ids.numpy())
         np.save(os.path.join(folder, f"logits_{t}.npy"), _np(logits))
+    generate_greedy(model, case, folder, g)
     t = max(case["seq_lens"])
     ids = torch.from_numpy(np.load(os.path.join(folder, f"input_ids_{t}.npy")))
     bf16 = DeepseekV4ForCausalLM.from_pretrained(os.path.join(folder, "hf"), dtype=torch.bfloat16).eval()
     np.save(os.path.join(folder, f"logits_bf16_{t}.npy"), _np(bf16(input_ids=ids).logits))
     np.savez(os.path.join(folder, "capture.npz"), input_ids=ids.numpy(), **capture(model, ids))
+
+
+def generate_greedy(model, case: dict, folder: str, g: torch.Generator) -> None:
+    """Greedy `generate` with the V4 cache for each prompt length, EOS disabled so every run is full
+    length; saves the prompt, the new tokens and the per-step logits."""
+    model.generation_config.eos_token_id = None
+    n_new = case["generate"]["new_tokens"]
+    for t in case["generate"]["prompt_lens"]:
+        ids = torch.randint(0, model.config.vocab_size, (1, t), generator=g)
+        out = model.generate(input_ids=ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+        np.savez(os.path.join(folder, f"generate_{t}.npz"), prompt=ids[0].numpy(),
+                 tokens=out.sequences[0, t:].numpy(), logits=np.stack([_np(x[0]) for x in out.logits]))
 
 
 def derived_config(raw: dict) -> dict:

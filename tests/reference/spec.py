@@ -31,8 +31,12 @@ LEGACY = {  # sigmoid, the legacy keys (compress_ratios, scalar rates, num_hash_
 }
 
 CASES = [
-    {"name": "mixed", "config": MIXED, "seed": 11, "batch": 2, "seq_lens": [5, 16, 37, 64]},
-    {"name": "legacy", "config": LEGACY, "seed": 23, "batch": 2, "seq_lens": [6, 23, 48]},
+    # generate: prompts shorter than a window, exactly on HCA (and CSA) window boundaries, and between;
+    # 32 greedy steps cross further HCA windows and leave partial CSA windows buffered.
+    {"name": "mixed", "config": MIXED, "seed": 11, "batch": 2, "seq_lens": [5, 16, 37, 64],
+     "generate": {"prompt_lens": [3, 8, 13, 24], "new_tokens": 32}},
+    {"name": "legacy", "config": LEGACY, "seed": 23, "batch": 2, "seq_lens": [6, 23, 48],
+     "generate": {"prompt_lens": [1, 6, 11, 18], "new_tokens": 32}},
 ]
 
 # Raw configs whose derived fields (layer schedule, rope tables) are compared with the reference's.

@@ -1,0 +1,80 @@
+"""`generate`: token-id prompts in, one result per prompt out (in prompt order)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from dsjax.engine.sampling import SamplingParams
+from dsjax.engine.scheduler import Request, run
+from dsjax.engine.steps import Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most likely alternatives
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[int]
+    finish_reason: str  # "stop" (a stop token, included in tokens) or "length"
+    logprobs: list[TokenLogprob] | None
+    prompt_tokens: int
+
+
+def request_seed(job_seed: int, index: int) -> int:
+    """The seed of a request that did not set one: fixed by the job's seed and the prompt's index."""
+    return int(np.random.SeedSequence([job_seed, index]).generate_state(1)[0])
+
+
+def make_requests(cfg, prompts: Sequence[Sequence[int]], sampling, max_len: int, seed: int) -> list[Request]:
+    if isinstance(sampling, SamplingParams):
+        sampling = [sampling] * len(prompts)
+    if len(sampling) != len(prompts):
+        raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    requests = []
+    for i, (prompt, sp) in enumerate(zip(prompts, sampling)):
+        prompt = tuple(int(t) for t in prompt)
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty")
+        if not all(0 <= t < cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
+        if len(prompt) >= max_len:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens; max_len {max_len} leaves no room to generate")
+        stop = cfg.eos_token_id if sp.stop_token_ids is None else sp.stop_token_ids
+        requests.append(Request(i, prompt, sp, request_seed(seed, i) if sp.seed is None else sp.seed,
+                                frozenset(int(t) for t in stop)))
+    return requests
+
+
+def generate(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = None,
+             *, max_batch: int = 8, max_len: int | None = None, chunk_size: int = 64, seed: int = 0,
+             engine: Engine | None = None) -> list[GenerationResult]:
+    """Generate for each token-id prompt with continuous batching over `max_batch` slots.
+
+    `max_len` bounds prompt + generated tokens per sequence (default: the longest prompt plus the largest
+    max_tokens). Pass an `engine` to reuse its compiled steps across calls.
+    """
+    sampling = SamplingParams() if sampling is None else sampling
+    if engine is None:
+        if max_len is None:
+            sps = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
+            max_len = max((len(p) for p in prompts), default=1) + max((s.max_tokens for s in sps), default=1)
+        engine = Engine(model, num_slots=max_batch, max_len=max_len, chunk_size=chunk_size)
+    requests = make_requests(engine.cfg, prompts, sampling, engine.max_len, seed)
+    tokens: list[list[int]] = [[] for _ in requests]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
+    finish: list[str | None] = [None] * len(requests)
+    for ev in run(engine, requests):
+        tokens[ev.index].append(ev.token)
+        if ev.top is not None:
+            logprobs[ev.index].append(TokenLogprob(ev.token, ev.logprob, ev.top))
+        if ev.finish_reason:
+            finish[ev.index] = ev.finish_reason
+    return [GenerationResult(tokens[i], finish[i], logprobs[i] if r.sampling.logprobs is not None else None,
+                             len(r.prompt)) for i, r in enumerate(requests)]

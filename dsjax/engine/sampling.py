@@ -1,0 +1,108 @@
+"""Sampling parameters and the on-device sampler (temperature, top-k, top-p, per-request seeds, logprobs).
+
+A request's random draw for the token at position p uses `fold_in(key(seed), p)`, so the same seed
+gives the same output whatever else shares the batch. Reported log-probabilities are those of the
+model's own distribution (`log_softmax(logits)`), before temperature or filtering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    temperature: 0 means greedy. top_k: 0 keeps every token. top_p: 1 keeps every token.
+    seed: None draws one from the job's seed. stop_token_ids: None means the model's EOS ids;
+    an empty list never stops early. max_tokens: new tokens at most. logprobs: None, or N for the
+    chosen token's log-probability plus the N most likely alternatives (N ≤ 20).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] | None = None
+    max_tokens: int = 16
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (isinstance(self.max_tokens, (int, np.integer)) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-row sampling parameters as device arrays."""
+
+    temperature: jax.Array  # [B] f32
+    top_k: jax.Array  # [B] i32, 0 = off
+    top_p: jax.Array  # [B] f32
+    seed: jax.Array  # [B] u32
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> "SamplingArrays":
+        return cls(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                   top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+                   top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+                   seed=jnp.asarray(np.asarray(seeds, np.uint32)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Sampled:
+    token: jax.Array  # [B] i32
+    logprob: jax.Array  # [B] f32, of the chosen token
+    top_ids: jax.Array  # [B, min(MAX_LOGPROBS, vocab)], most likely first
+    top_logprobs: jax.Array  # [B, min(MAX_LOGPROBS, vocab)]
+
+
+def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> Sampled:
+    """Pick one token per row; `positions_b` is where each chosen token will sit in its sequence."""
+    logits_bv = logits_bv.astype(jnp.float32)
+    logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    greedy_b = jnp.argmax(logits_bv, axis=-1)
+
+    temp_b = jnp.maximum(params.temperature, 1e-6)[:, None]
+    sorted_logits, sorted_ids = jax.lax.sort_key_val(-logits_bv, jnp.broadcast_to(
+        jnp.arange(logits_bv.shape[-1]), logits_bv.shape), dimension=-1)
+    scaled = -sorted_logits / temp_b  # descending
+    rank = jnp.arange(logits_bv.shape[-1])[None, :]
+    keep = (params.top_k[:, None] == 0) | (rank < params.top_k[:, None])
+    scaled = jnp.where(keep, scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this rank
+    keep &= before < params.top_p[:, None]
+    scaled = jnp.where(keep, scaled, -jnp.inf)
+
+    def gumbel(seed, pos, n):
+        key = jax.random.fold_in(jax.random.key(seed), pos)
+        return jax.random.gumbel(key, (n,), jnp.float32)
+
+    noise = jax.vmap(gumbel, in_axes=(0, 0, None))(params.seed, positions_b, logits_bv.shape[-1])
+    picked_rank = jnp.argmax(scaled + noise, axis=-1)
+    sampled_b = jnp.take_along_axis(sorted_ids, picked_rank[:, None], axis=-1)[:, 0]
+    token_b = jnp.where(params.temperature == 0, greedy_b, sampled_b).astype(jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[-1]))
+    return Sampled(token=token_b, logprob=jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0],
+                   top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

@@ -1,0 +1,129 @@
+"""Continuous batching: keep up to `num_slots` sequences in flight and refill a finished slot at once.
+
+`run` takes requests in order and yields every generated token as it is produced, so callers can
+stream tokens into their own output processing; a short request never waits for a long one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator
+
+import jax
+import numpy as np
+
+from dsjax.engine.sampling import SamplingArrays, SamplingParams
+from dsjax.engine.steps import Engine
+
+_IDLE = SamplingParams(temperature=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    index: int
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of request `index`; `finish_reason` is set on its last token."""
+
+    index: int
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] | None
+    finish_reason: str | None = None
+
+
+def _bucket(n: int, limit: int) -> int:
+    size = 1
+    while size < n:
+        size *= 2
+    return min(size, limit)
+
+
+class _Slots:
+    """Host-side view of what each slot holds."""
+
+    def __init__(self, n: int, max_len: int):
+        self.max_len = max_len
+        self.request: list[Request | None] = [None] * n
+        self.total = [0] * n  # tokens in the sequence, prompt + generated
+        self.generated = [0] * n
+        self.last = [0] * n
+
+    def sampling(self, rows) -> SamplingArrays:
+        reqs = [self.request[s] for s in rows]
+        return SamplingArrays.of([r.sampling if r else _IDLE for r in reqs], [r.seed if r else 0 for r in reqs])
+
+
+def run(engine: Engine, requests: Iterable[Request]) -> Iterator[TokenEvent]:
+    """Generate for every request, yielding tokens as they come (requests interleave)."""
+    n = engine.num_slots
+    slots = _Slots(n, engine.max_len)
+    cache = engine.new_cache()
+    pending = iter(requests)
+    exhausted = False
+    while True:
+        new = []
+        if not exhausted:
+            for s in range(n):
+                if slots.request[s] is None:
+                    r = next(pending, None)
+                    if r is None:
+                        exhausted = True
+                        break
+                    new.append((s, r))
+        if new:
+            cache, events = _prefill(engine, cache, slots, new)
+            yield from events
+        active = [r is not None for r in slots.request]
+        if not any(active):
+            if exhausted:
+                return
+            continue
+        cache, sampled = engine.decode(cache, np.asarray(slots.last, np.int32), np.asarray(active),
+                                       slots.sampling(range(n)))
+        host = jax.device_get(sampled)
+        for s in range(n):
+            if active[s]:
+                yield _emit(slots, s, host, s)
+
+
+def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]]):
+    taken = {s for s, _ in new}
+    size = _bucket(len(new), engine.num_slots)
+    pad = [s for s in range(engine.num_slots) if s not in taken][:size - len(new)]
+    for s, r in new:
+        slots.request[s] = r
+        slots.total[s] = len(r.prompt)
+        slots.generated[s] = 0
+    rows = [s for s, _ in new] + pad
+    cache, sampled = engine.prefill(cache, [r.prompt for _, r in new], [s for s, _ in new],
+                                    slots.sampling(rows), pad_slots=pad)
+    host = jax.device_get(sampled)
+    return cache, [_emit(slots, s, host, i) for i, (s, _) in enumerate(new)]
+
+
+def _emit(slots: _Slots, s: int, host, row: int) -> TokenEvent:
+    r = slots.request[s]
+    token = int(host.token[row])
+    slots.generated[s] += 1
+    slots.total[s] += 1
+    slots.last[s] = token
+    top = None
+    if r.sampling.logprobs is not None:
+        k = r.sampling.logprobs
+        top = tuple((int(i), float(v)) for i, v in zip(host.top_ids[row][:k], host.top_logprobs[row][:k]))
+    reason = None
+    if token in r.stop_token_ids:
+        reason = "stop"
+    elif slots.generated[s] >= r.sampling.max_tokens or slots.total[s] >= slots.max_len:
+        reason = "length"
+    if reason:
+        slots.request[s] = None
+    return TokenEvent(r.index, token, float(host.logprob[row]), top, reason)
+

@@ -1,0 +1,117 @@
+"""Jitted prefill and decode steps over the fixed-shape cache, with the cache buffers donated.
+
+`decode` advances every active slot by one token; `prefill` fills the given slots from position 0,
+one fixed-size chunk at a time, so a prompt of any length runs through the same compiled chunk step.
+Both sample on device and return `Sampled` rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsjax.cache import Cache, init_cache
+from dsjax.engine.sampling import Sampled, SamplingArrays, sample
+
+
+def take_slots(cache: Cache, slots: jax.Array) -> Cache:
+    """The rows `slots` of every cache array (slot axis 0 for lengths, 1 under the repeat axis)."""
+    return Cache(lengths=cache.lengths[slots],
+                 groups=jax.tree.map(lambda x: jnp.take(x, slots, axis=1), cache.groups))
+
+
+def put_slots(cache: Cache, part: Cache, slots: jax.Array) -> Cache:
+    """`cache` with rows `slots` replaced by `part` (slots must be distinct)."""
+    return Cache(lengths=cache.lengths.at[slots].set(part.lengths),
+                 groups=jax.tree.map(lambda x, y: x.at[:, slots].set(y), cache.groups, part.groups))
+
+
+class Engine:
+    """Compiled steps for one model, `num_slots` sequences of up to `max_len` tokens, prefill chunks of
+    `chunk_size` tokens. `params` are the model's weights (taken once; steps take them as an argument)."""
+
+    def __init__(self, model, num_slots: int, max_len: int, chunk_size: int = 64, cache_dtype=None):
+        if num_slots < 1 or max_len < 1 or chunk_size < 1:
+            raise ValueError("num_slots, max_len and chunk_size must be positive")
+        self.model = model
+        self.cfg = model.cfg
+        self.num_slots, self.max_len, self.chunk_size = num_slots, max_len, chunk_size
+        self.cache_dtype = cache_dtype
+        self.graphdef, self.params = nnx.split(model)
+
+    def new_cache(self) -> Cache:
+        return init_cache(self.model, self.num_slots, self.max_len, self.cache_dtype)
+
+    @staticmethod
+    def compilations() -> int:
+        """Programs compiled so far by the steps of every engine in this process. Engines of the same
+        model structure and shapes share them, so this stays constant once a job has warmed up."""
+        return _decode._cache_size() + _prefill_chunk._cache_size()
+
+    def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
+               sampling: SamplingArrays) -> tuple[Cache, Sampled]:
+        """Feed each active slot its last token and sample the next; inactive slots are untouched."""
+        return _decode(self.graphdef, self.params, cache, jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool),
+                            sampling)
+
+    def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                sampling: SamplingArrays, pad_slots: Sequence[int] = ()) -> tuple[Cache, Sampled]:
+        """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token.
+
+        `pad_slots` are extra distinct slots that ride along unchanged (to keep the row count, hence the
+        compiled shape, within a few buckets); `sampling` has one row per slot and pad slot.
+        """
+        rows = list(slots) + list(pad_slots)
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"prefill slots must be distinct, got {rows}")
+        n = len(rows)
+        lengths = np.zeros(n, np.int64)
+        lengths[:len(prompts)] = [len(p) for p in prompts]
+        current = np.asarray(cache.lengths)[rows]
+        c = self.chunk_size
+        n_chunks = max(1, -(-int(lengths.max()) // c))
+        padded = np.zeros((n, n_chunks * c), np.int32)
+        for i, p in enumerate(prompts):
+            padded[i, :len(p)] = p
+        is_prompt = np.arange(n) < len(prompts)
+        slot_ids = jnp.asarray(rows, jnp.int32)
+        out = None
+        for k in range(n_chunks):
+            n_valid = np.clip(lengths - k * c, 0, c)
+            start = np.where(is_prompt, np.minimum(k * c, lengths), current)
+            ends_here = is_prompt & (lengths > k * c) & (lengths <= (k + 1) * c)
+            cache, sampled = _prefill_chunk(
+                self.graphdef, self.params, cache, jnp.asarray(padded[:, k * c:(k + 1) * c]), slot_ids,
+                jnp.asarray(start, jnp.int32), jnp.asarray(n_valid, jnp.int32), sampling)
+            out = sampled if out is None else jax.tree.map(
+                lambda new, old: jnp.where(_expand(jnp.asarray(ends_here), new), new, old), sampled, out)
+        return cache, out
+
+
+def _expand(mask_b, like):
+    return mask_b.reshape(mask_b.shape + (1,) * (like.ndim - 1))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling):
+    model = nnx.merge(graphdef, params)
+    start_b = cache.lengths
+    hidden_b1h, cache = model.extend(last_tokens_b[:, None], cache, start_b, active_b.astype(jnp.int32))
+    logits_bv = model.logits(hidden_b1h)[:, 0]
+    return cache, sample(logits_bv, sampling, start_b + 1)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, sampling):
+    model = nnx.merge(graphdef, params)
+    part = take_slots(cache, slots_n)
+    hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n)
+    last = jnp.clip(n_valid_n - 1, 0, tokens_nc.shape[1] - 1)
+    hidden_nh = jnp.take_along_axis(hidden_nch, last[:, None, None], axis=1)
+    logits_nv = model.logits(hidden_nh)[:, 0]
+    return put_slots(cache, part, slots_n), sample(logits_nv, sampling, start_n + n_valid_n)

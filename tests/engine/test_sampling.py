@@ -1,0 +1,64 @@
+"""The on-device sampler: distribution, filtering, greedy, logprobs, parameter validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsjax.engine.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
+
+LOGITS = np.log(np.asarray([0.05, 0.3, 0.1, 0.25, 0.02, 0.08, 0.2], np.float64)).astype(np.float32)
+
+
+def draw(n, **kw):
+    params = SamplingArrays.of([SamplingParams(**kw)] * n, np.arange(n) + 17)
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (n, LOGITS.size))
+    return np.asarray(jax.jit(sample)(logits, params, jnp.zeros(n, jnp.int32)).token)
+
+
+def test_frequencies_match_softmax_chi_square():
+    n = 20000
+    counts = np.bincount(draw(n, temperature=1.0), minlength=LOGITS.size)
+    expected = n * np.exp(LOGITS) / np.exp(LOGITS).sum()
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 22.46, chi2  # chi-square, 6 degrees of freedom, p = 0.001
+
+
+def test_temperature_sharpens():
+    n = 5000
+    hot = np.bincount(draw(n, temperature=2.0), minlength=LOGITS.size) / n
+    cold = np.bincount(draw(n, temperature=0.3), minlength=LOGITS.size) / n
+    assert cold[1] > 0.5 > hot[1]
+
+
+def test_top_k_and_top_p_never_emit_excluded_tokens():
+    assert set(draw(3000, temperature=1.0, top_k=2)) == {1, 3}
+    # top_p=0.6: sorted masses 0.3, 0.25, 0.2 ...: the first two cover 0.55 < 0.6, so three stay.
+    assert set(draw(3000, temperature=1.0, top_p=0.6)) == {1, 3, 6}
+    # top-p applies to the top-k renormalised masses 0.4, 0.33, 0.27: 0.45 keeps two.
+    assert set(draw(3000, temperature=1.0, top_k=3, top_p=0.45)) == {1, 3}
+
+
+def test_greedy_and_logprobs():
+    out = sample(jnp.asarray([LOGITS]), SamplingArrays.of([SamplingParams(temperature=0.0)], [0]),
+                 jnp.asarray([0]))
+    logp = LOGITS - np.log(np.exp(LOGITS).sum())
+    assert int(out.token[0]) == 1
+    np.testing.assert_allclose(float(out.logprob[0]), logp[1], rtol=1e-6)
+    assert out.top_ids.shape == (1, min(MAX_LOGPROBS, LOGITS.size))
+    np.testing.assert_array_equal(np.asarray(out.top_ids[0, :3]), [1, 3, 6])
+
+
+def test_position_changes_the_draw_seed_fixes_it():
+    params = SamplingArrays.of([SamplingParams(temperature=1.0)] * 64, [5] * 64)
+    logits = jnp.zeros((64, 1000))
+    at = lambda p: np.asarray(sample(logits, params, jnp.full((64,), p)).token)  # noqa: E731
+    assert len(set(at(0))) == 1 and at(0)[0] == at(0)[0]
+    assert len({int(at(p)[0]) for p in range(20)}) > 10
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                dict(max_tokens=0), dict(logprobs=21), dict(seed=-1)])
+def test_invalid_params_are_refused(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SamplingParams(**kw)
