@@ -20,6 +20,7 @@ from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import HyperHead
 from dsjax.layers.norms import RMSNorm
+from dsjax.layers.numerics import einsum
 
 _MAX_PERIOD = 4
 
@@ -158,7 +159,7 @@ class DeepseekV4(nnx.Module):
     def logits(self, hidden_bsh: jax.Array) -> jax.Array:
         if self.lm_head is None:
             w = self.embed_tokens.weight[...].astype(hidden_bsh.dtype)
-            return jnp.einsum("bsh,vh->bsv", hidden_bsh, w).astype(jnp.float32)
+            return einsum("bsh,vh->bsv", hidden_bsh, w).astype(jnp.float32)
         return self.lm_head(hidden_bsh).astype(jnp.float32)
 
     def __call__(self, input_ids: jax.Array, lengths: jax.Array | None = None) -> jax.Array:

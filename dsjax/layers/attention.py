@@ -18,6 +18,7 @@ from dsjax.layers.compressor import CSACompressor, HCACompressor
 from dsjax.layers.linear import GroupedLinear, Linear
 from dsjax.layers.norms import RMSNorm, unweighted_rms_norm
 from dsjax.layers.rope import apply_rope, rope_table
+from dsjax.layers.numerics import einsum
 
 
 def window_visible(q_pos_bs: jax.Array, k_pos_bk: jax.Array, window: int) -> jax.Array:
@@ -33,13 +34,13 @@ def attend_with_sinks(q_bshd, kv_bkd, visible_bsk, sinks_h, scale: float) -> jax
     `P = exp(a) / (Σ exp(a) + exp(sink))`: the sink takes probability mass but adds no value.
     Scores are formed in the activation dtype and the softmax runs in fp32, as in the reference.
     """
-    s_bhsk = jnp.einsum("bshd,bkd->bhsk", q_bshd, kv_bkd) * jnp.asarray(scale, q_bshd.dtype)
+    s_bhsk = einsum("bshd,bkd->bhsk", q_bshd, kv_bkd) * jnp.asarray(scale, q_bshd.dtype)
     s_bhsk = jnp.where(visible_bsk[:, None], s_bhsk.astype(jnp.float32), -jnp.inf)
     b, h, s, _ = s_bhsk.shape
     sink_bhs1 = jnp.broadcast_to(sinks_h.astype(jnp.float32)[None, :, None, None], (b, h, s, 1))
     logits = jnp.concatenate([s_bhsk, sink_bhs1], axis=-1)
     p_bhsk = jax.nn.softmax(logits, axis=-1)[..., :-1].astype(kv_bkd.dtype)
-    return jnp.einsum("bhsk,bkd->bshd", p_bhsk, kv_bkd)
+    return einsum("bhsk,bkd->bshd", p_bhsk, kv_bkd)
 
 
 class Attention(nnx.Module):

@@ -9,6 +9,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.layers.linear import Linear
+from dsjax.layers.numerics import precision
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -39,11 +40,11 @@ class RoutedExperts(nnx.Module):
         group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
         x_ph = jnp.take(x_nh, order // k, axis=0)
         gate_up_p = tokamax.ragged_dot(x_ph, self.gate_up_proj[...].astype(x_nh.dtype), group_sizes,
-                                       preferred_element_type=x_nh.dtype)
+                                       precision=precision(x_ph), preferred_element_type=x_nh.dtype)
         inter = self.cfg.moe_intermediate_size
         act_p = clamped_swiglu(gate_up_p[:, :inter], gate_up_p[:, inter:], self.cfg.swiglu_limit)
         y_ph = tokamax.ragged_dot(act_p, self.down_proj[...].astype(x_nh.dtype), group_sizes,
-                                  preferred_element_type=x_nh.dtype)
+                                  precision=precision(act_p), preferred_element_type=x_nh.dtype)
         y_ph = y_ph * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
         y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)
         return jnp.sum(y_nkh, axis=1)

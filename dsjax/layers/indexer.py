@@ -10,6 +10,7 @@ from dsjax.config import ModelConfig
 from dsjax.layers.compressor import Compressor, entry_visible
 from dsjax.layers.linear import Linear
 from dsjax.layers.rope import apply_rope, rope_table
+from dsjax.layers.numerics import einsum
 
 
 class IndexerScorer(nnx.Module):
@@ -21,10 +22,10 @@ class IndexerScorer(nnx.Module):
     def __call__(self, q_bshc: jax.Array, keys_btc: jax.Array, x_bsh: jax.Array) -> jax.Array:
         """`score[b,s,t] = Σ_h w[b,s,h] · relu(q[b,s,h]·k[b,t]) · c^-0.5`, all in fp32."""
         n_heads, c = q_bshc.shape[-2:]
-        dots_bsht = jnp.einsum("bshc,btc->bsht", q_bshc.astype(jnp.float32), keys_btc.astype(jnp.float32))
+        dots_bsht = einsum("bshc,btc->bsht", q_bshc.astype(jnp.float32), keys_btc.astype(jnp.float32))
         s_bsht = jax.nn.relu(dots_bsht) * (c ** -0.5)
         w_bsh = self.weights_proj(x_bsh).astype(jnp.float32) * (n_heads ** -0.5)
-        return jnp.einsum("bsht,bsh->bst", s_bsht, w_bsh)
+        return einsum("bsht,bsh->bst", s_bsht, w_bsh)
 
 
 class Indexer(Compressor):

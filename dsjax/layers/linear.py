@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from dsjax.layers.numerics import einsum
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
@@ -20,7 +21,7 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+        y = einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y
@@ -37,4 +38,4 @@ class GroupedLinear(nnx.Module):
     def __call__(self, x_bsgi: jax.Array) -> jax.Array:
         w = self.weight[...].astype(x_bsgi.dtype)
         w_gri = w.reshape(self.groups, -1, w.shape[-1])
-        return jnp.einsum("...gi,gri->...gr", x_bsgi, w_gri)
+        return einsum("...gi,gri->...gr", x_bsgi, w_gri)

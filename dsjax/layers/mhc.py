@@ -8,6 +8,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.layers.norms import unweighted_rms_norm
+from dsjax.layers.numerics import einsum
 
 
 def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -21,7 +22,7 @@ def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:
 
 def collapse(pre_bsn: jax.Array, h_bsnh: jax.Array) -> jax.Array:
     """`Σ_n pre[n]·h[n]` in fp32, cast to the streams' dtype."""
-    return jnp.einsum("bsn,bsnh->bsh", pre_bsn, h_bsnh.astype(jnp.float32)).astype(h_bsnh.dtype)
+    return einsum("bsn,bsnh->bsh", pre_bsn, h_bsnh.astype(jnp.float32)).astype(h_bsnh.dtype)
 
 
 class HyperConnection(nnx.Module):
@@ -39,7 +40,7 @@ class HyperConnection(nnx.Module):
         n = cfg.hc_mult
         b, s = h_bsnh.shape[:2]
         flat = unweighted_rms_norm(h_bsnh.reshape(b, s, -1).astype(jnp.float32), cfg.rms_norm_eps)
-        mix = jnp.einsum("bsi,oi->bso", flat, self.fn[...].astype(jnp.float32))
+        mix = einsum("bsi,oi->bso", flat, self.fn[...].astype(jnp.float32))
         base = self.base[...].astype(jnp.float32)
         s_pre, s_post, s_comb = self.scale[...].astype(jnp.float32)
         pre = jax.nn.sigmoid(mix[..., :n] * s_pre + base[:n]) + cfg.hc_eps
@@ -54,7 +55,7 @@ def mix_streams(post_bsn, comb_bsnn, out_bsh, h_bsnh) -> jax.Array:
     """`h_new[k] = post[k]·out + Σ_j comb[j,k]·h[j]`: comb is applied transposed."""
     dtype = h_bsnh.dtype
     expand = post_bsn.astype(dtype)[..., None] * out_bsh[:, :, None, :]
-    return expand + jnp.einsum("bsjk,bsjh->bskh", comb_bsnn.astype(dtype), h_bsnh)
+    return expand + einsum("bsjk,bsjh->bskh", comb_bsnn.astype(dtype), h_bsnh)
 
 
 class HyperHead(nnx.Module):
@@ -70,6 +71,6 @@ class HyperHead(nnx.Module):
     def __call__(self, h_bsnh: jax.Array) -> jax.Array:
         b, s = h_bsnh.shape[:2]
         flat = unweighted_rms_norm(h_bsnh.reshape(b, s, -1).astype(jnp.float32), self.cfg.rms_norm_eps)
-        mix = jnp.einsum("bsi,oi->bso", flat, self.hc_fn[...].astype(jnp.float32))
+        mix = einsum("bsi,oi->bso", flat, self.hc_fn[...].astype(jnp.float32))
         pre = jax.nn.sigmoid(mix * self.hc_scale[...].astype(jnp.float32) + self.hc_base[...]) + self.cfg.hc_eps
         return collapse(pre, h_bsnh)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.layers.variables import Buffer
+from dsjax.layers.numerics import einsum
 
 
 def score(logits: jax.Array, scoring_func: str) -> jax.Array:
@@ -29,7 +30,7 @@ class _Router(nnx.Module):
                                 .astype(dtype))
 
     def scores(self, x_nh: jax.Array) -> jax.Array:
-        logits = jnp.einsum("nh,eh->ne", x_nh, self.weight[...].astype(x_nh.dtype))
+        logits = einsum("nh,eh->ne", x_nh, self.weight[...].astype(x_nh.dtype))
         return score(logits, self.cfg.scoring_func)
 
     def weigh(self, scores_ne: jax.Array, idx_nk: jax.Array) -> jax.Array:
