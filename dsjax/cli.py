@@ -29,6 +29,38 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from dsjax.batch.job import JobConfig, run_job, summary_path
+
+    cfg = JobConfig(model=args.model, input=args.input, output=args.output, max_batch=args.max_batch,
+                    max_len=args.max_len, chunk_size=args.chunk_size, dtype=args.dtype, seed=args.seed,
+                    progress=not args.quiet)
+    try:
+        s = run_job(cfg)
+    except KeyboardInterrupt:
+        print(f"interrupted: finished records are in {args.output}; re-run the same command to resume",
+              file=sys.stderr)
+        return 130
+    print(f"{s['requests_ok']} ok, {s['requests_failed']} failed, {s['requests_already_done']} already done; "
+          f"{s['prompt_tokens']} prompt tokens ({s['prompt_tokens_per_second']:.1f}/s), "
+          f"{s['generated_tokens']} generated ({s['generated_tokens_per_second']:.1f}/s) in "
+          f"{s['wall_seconds']:.1f} s; summary: {summary_path(args.output)}")
+    return 0
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model folder (config.json, safetensors, "
+                   "tokenizer.json)")
+    p.add_argument("--input", required=True, help="requests, JSONL in the OpenAI Batch format")
+    p.add_argument("--output", required=True, help="results JSONL (appended; re-running resumes it)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences in flight (default 8)")
+    p.add_argument("--max-len", type=int, default=4096, help="prompt + generated tokens per sequence (4096)")
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0, help="job seed: requests that set no seed draw from it and their custom_id")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsjax", description="DeepSeek-V4 offline inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--context", type=int, help="context length for the cache report "
                       "(default: max_position_embeddings)")
     info.set_defaults(func=_info)
+    gen = sub.add_parser("generate", help="run a batch of API requests (OpenAI Batch JSONL) through a model")
+    add_generate_args(gen)
+    gen.set_defaults(func=_generate)
     return parser
 
 
@@ -46,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"dsjax {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -5,6 +5,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import fcntl  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -31,12 +33,21 @@ def reference(tmp_path_factory) -> Path:
         pytest.fail(f"the reference environment is missing: {py} does not exist. Create it with "
                     "`bash .ci/setup` or point DSJAX_REF_PYTHON at a Python 3.11 with torch==2.13.0 "
                     "and transformers==5.23.0.")
-    out = tmp_path_factory.mktemp("reference")
-    spec = out / "spec.json"
-    spec.write_text(json.dumps(SPEC))
-    proc = subprocess.run([py, str(HARNESS), str(spec), str(out)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"reference harness failed:\n{proc.stderr[-4000:]}")
+    # One run per test session, shared by the xdist workers (their base temp dirs share a parent).
+    spec_text = json.dumps(SPEC, sort_keys=True)
+    key = hashlib.sha256(spec_text.encode() + HARNESS.read_bytes() + py.encode()).hexdigest()[:16]
+    shared = tmp_path_factory.getbasetemp().parent
+    out = shared / f"reference-{key}"
+    with open(shared / f"reference-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "done").exists():
+            out.mkdir(exist_ok=True)
+            (out / "spec.json").write_text(spec_text)
+            proc = subprocess.run([py, str(HARNESS), str(out / "spec.json"), str(out)], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                pytest.fail(f"reference harness failed:\n{proc.stderr[-4000:]}")
+            (out / "done").write_text("ok")
     return out
 
 

@@ -7,6 +7,7 @@ stream tokens into their own output processing; a short request never waits for 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterable, Iterator
 
 import jax
@@ -60,8 +61,15 @@ class _Slots:
         return SamplingArrays.of([r.sampling if r else _IDLE for r in reqs], [r.seed if r else 0 for r in reqs])
 
 
-def run(engine: Engine, requests: Iterable[Request]) -> Iterator[TokenEvent]:
-    """Generate for every request, yielding tokens as they come (requests interleave)."""
+def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None = None,
+        timer: "StepTimer | None" = None) -> Iterator[TokenEvent]:
+    """Generate for every request, yielding tokens as they come (requests interleave).
+
+    A consumer that adds a request's index to `cancelled` while handling one of its tokens ends that
+    request there (its slot is refilled); `timer`, if given, accumulates the time spent in the steps.
+    """
+    cancelled = set() if cancelled is None else cancelled
+    timer = timer or StepTimer()
     n = engine.num_slots
     slots = _Slots(n, engine.max_len)
     cache = engine.new_cache()
@@ -78,19 +86,48 @@ def run(engine: Engine, requests: Iterable[Request]) -> Iterator[TokenEvent]:
                         break
                     new.append((s, r))
         if new:
-            cache, events = _prefill(engine, cache, slots, new)
-            yield from events
+            with timer:
+                cache, events = _prefill(engine, cache, slots, new)
+            for ev in events:
+                yield ev
+                _drop_if_cancelled(slots, ev, cancelled)
         active = [r is not None for r in slots.request]
         if not any(active):
             if exhausted:
                 return
             continue
-        cache, sampled = engine.decode(cache, np.asarray(slots.last, np.int32), np.asarray(active),
-                                       slots.sampling(range(n)))
-        host = jax.device_get(sampled)
+        with timer:
+            cache, sampled = engine.decode(cache, np.asarray(slots.last, np.int32), np.asarray(active),
+                                           slots.sampling(range(n)))
+            host = jax.device_get(sampled)
         for s in range(n):
             if active[s]:
-                yield _emit(slots, s, host, s)
+                ev = _emit(slots, s, host, s)
+                yield ev
+                _drop_if_cancelled(slots, ev, cancelled)
+
+
+class StepTimer:
+    """Wall time spent inside the jitted steps (including the device-to-host copy of their results)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.steps = 0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.seconds += time.perf_counter() - self._t0
+        self.steps += 1
+
+
+def _drop_if_cancelled(slots: _Slots, ev: TokenEvent, cancelled: set[int]) -> None:
+    if ev.index in cancelled:
+        cancelled.discard(ev.index)
+        for s, r in enumerate(slots.request):
+            if r is not None and r.index == ev.index:
+                slots.request[s] = None
 
 
 def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]]):

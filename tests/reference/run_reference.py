@@ -30,6 +30,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
 
 torch.set_grad_enabled(False)
+torch.set_num_threads(1)  # tiny models; several test workers may run this at once
 
 
 # ----------------------------------------------------------------------------------- random weights

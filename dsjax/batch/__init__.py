@@ -1,0 +1,1 @@
+"""The offline batch job: OpenAI Batch JSONL in, OpenAI Batch JSONL out, resumable."""

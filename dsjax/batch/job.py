@@ -1,0 +1,183 @@
+"""`dsjax generate`: the offline batch job.
+
+input.jsonl (OpenAI Batch) → deepseek-recipe (convert, encode) → scheduler (continuous batching) →
+prefill/decode steps → sampler → recipe stream processor → output.jsonl (appended, flushed, resumable)
+and a summary JSON next to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
+from dsjax.batch.recipe import Prepared, Recipe
+from dsjax.batch.results import ResultsFile, error_record, success_record
+from dsjax.engine.generate import request_seed
+from dsjax.engine.scheduler import Request, StepTimer, run
+from dsjax.engine.steps import Engine
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    model: str
+    input: str
+    output: str
+    max_batch: int = 8
+    max_len: int = 4096
+    chunk_size: int = 256
+    dtype: str = "bfloat16"
+    seed: int = 0
+    window: int = 256  # requests read ahead and ordered longest prompt first
+    progress: bool = True
+
+
+def summary_path(output: str) -> str:
+    return os.path.splitext(output)[0] + ".summary.json"
+
+
+def _count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def run_job(cfg: JobConfig) -> dict[str, Any]:
+    """Run (or resume) the job; returns the summary, also written to `summary_path(cfg.output)`.
+
+    Raises JobError before any work when the input, output or model cannot be used; per-request
+    problems become error records. Ctrl-C stops after writing what is finished (KeyboardInterrupt
+    propagates once the summary is written).
+    """
+    from dsjax.checkpoint.load import load_model
+
+    if cfg.dtype not in _DTYPES:
+        raise JobError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+    if cfg.max_batch < 1 or cfg.max_len < 2 or cfg.chunk_size < 1:
+        raise JobError("max_batch and chunk_size must be >= 1 and max_len >= 2")
+    check_readable(cfg.input)
+    tokenizer = os.path.join(cfg.model, "tokenizer.json")
+    if not os.path.isfile(tokenizer):
+        raise JobError(f"{cfg.model!r} has no tokenizer.json: the job encodes prompts with the model's tokenizer")
+    results = ResultsFile(cfg.output)
+    t_start = time.perf_counter()
+    stats = {"ok": 0, "failed": 0, "skipped_done": 0, "prompt_tokens": 0, "generated_tokens": 0}
+    timer = StepTimer()
+    interrupted = False
+    try:
+        model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype])
+        context = min(cfg.max_len, model.cfg.max_position_embeddings)
+        recipe = Recipe(tokenizer, context, model.cfg.eos_token_id)
+        engine = Engine(model, num_slots=cfg.max_batch, max_len=context, chunk_size=min(cfg.chunk_size, context))
+        total = _count_lines(cfg.input)
+        bar = tqdm(total=total, disable=not cfg.progress, unit="req", dynamic_ncols=True)
+        t_loop = time.perf_counter()
+        try:
+            _run(cfg, engine, recipe, results, stats, timer, bar, t_start)
+        finally:
+            bar.close()
+            stats["loop_seconds"] = time.perf_counter() - t_loop
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        results.close()
+    wall = time.perf_counter() - t_start
+    summary = {
+        "requests_ok": stats["ok"], "requests_failed": stats["failed"],
+        "requests_already_done": stats["skipped_done"],
+        "prompt_tokens": stats["prompt_tokens"], "generated_tokens": stats["generated_tokens"],
+        "wall_seconds": round(wall, 3),
+        "prompt_tokens_per_second": round(stats["prompt_tokens"] / wall, 2) if wall else 0.0,
+        "generated_tokens_per_second": round(stats["generated_tokens"] / wall, 2) if wall else 0.0,
+        "engine_step_seconds": round(timer.seconds, 3),
+        # Time in the generation loop spent outside the jitted steps: recipe, scheduling, output.
+        "host_overhead_ms_per_generated_token": round(1e3 * (stats.get("loop_seconds", 0.0) - timer.seconds)
+                                                      / max(stats["generated_tokens"], 1), 3),
+        "interrupted": interrupted,
+        "repaired_torn_bytes": results.repaired_bytes,
+        "config": dataclasses.asdict(cfg),
+    }
+    with open(summary_path(cfg.output), "w") as f:
+        json.dump(summary, f, indent=1)
+    if interrupted:
+        raise KeyboardInterrupt
+    return summary
+
+
+def _run(cfg, engine, recipe, results, stats, timer, bar, t_start) -> None:
+    preps: dict[int, Prepared] = {}  # requests handed to the scheduler and not finished yet
+    streams = {}
+    next_index = itertools.count()
+    cancelled: set[int] = set()
+
+    def fail(line: InputLine, error: ErrorInfo) -> None:
+        results.write(error_record(line, error))
+        stats["failed"] += 1
+        bar.update(1)
+
+    def requests() -> Iterator[Request]:
+        window: list[Prepared] = []
+        for line in read_lines(cfg.input):
+            if results.is_done(line):
+                stats["skipped_done"] += 1
+                bar.update(1)
+                continue
+            if line.error:
+                fail(line, line.error)
+                continue
+            prep = recipe.prepare(line)
+            if isinstance(prep, ErrorInfo):
+                fail(line, prep)
+                continue
+            window.append(prep)
+            if len(window) >= cfg.window:
+                yield from order(window)
+                window = []
+        yield from order(window)
+
+    def order(window: list[Prepared]) -> Iterator[Request]:
+        # Longest prompts first keeps slots busy; no result depends on the order.
+        for prep in sorted(window, key=lambda p: -len(p.prompt)):
+            index = next(next_index)
+            preps[index] = prep
+            seed = prep.sampling.seed
+            if seed is None:  # stable per custom_id: a request's draw does not depend on where it sits
+                digest = hashlib.sha256(prep.line.custom_id.encode()).digest()
+                seed = request_seed(cfg.seed, int.from_bytes(digest[:8]))
+            yield Request(index, tuple(prep.prompt), prep.sampling, seed, frozenset(prep.sampling.stop_token_ids))
+
+    for ev in run(engine, requests(), cancelled, timer):
+        prep = preps[ev.index]
+        stream = streams.get(ev.index)
+        if stream is None:
+            stream = streams[ev.index] = recipe.stream(prep)
+            stats["prompt_tokens"] += len(prep.prompt)
+        stats["generated_tokens"] += 1
+        reason = ev.finish_reason
+        try:
+            if stream.token(ev.token, ev.logprob, ev.top) and reason is None:
+                cancelled.add(ev.index)  # the processor saw a stop sequence
+                reason = "stop"
+            body = stream.finish(reason) if reason else None
+        except RuntimeError as e:
+            cancelled.add(ev.index)
+            del streams[ev.index], preps[ev.index]
+            fail(prep.line, ErrorInfo("output_processing_failed", f"the response could not be built: {e}"))
+            continue
+        if reason:
+            results.write(success_record(prep.line, body))
+            stats["ok"] += 1
+            del streams[ev.index], preps[ev.index]
+            bar.update(1)
+            elapsed = time.perf_counter() - t_start
+            bar.set_postfix(prompt_tok_s=f"{stats['prompt_tokens'] / elapsed:.0f}",
+                            gen_tok_s=f"{stats['generated_tokens'] / elapsed:.0f}", refresh=False)

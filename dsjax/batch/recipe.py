@@ -1,0 +1,126 @@
+"""Requests in and responses out through `deepseek-recipe`: conversion, prompt encoding, sampling
+options, and the stream processor that turns generated tokens into the protocol's response.
+
+Nothing here writes chat templates or parses model output by hand: the recipe does both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any
+
+import deepseek_recipe as dr
+
+from dsjax.batch.jobfile import ErrorInfo, InputLine
+from dsjax.engine.sampling import MAX_LOGPROBS, SamplingParams
+
+_ENDPOINTS = {
+    "/v1/chat/completions": (dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-"),
+    "/v1/responses": (dr.ResponsesRequest, dr.ResponsesResponse, "resp_"),
+    "/v1/messages": (dr.MessagesRequest, dr.MessagesResponse, "msg_"),
+}
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A request ready for the engine: its prompt, sampling, and a factory for its response stream."""
+
+    line: InputLine
+    prompt: list[int]
+    sampling: SamplingParams
+    _conversation: Any
+    _generator_factory: Any
+    _response_cls: Any
+    _model: str
+    _response_id: str
+
+
+class ResponseStream:
+    """Feeds one request's tokens to its stream processor and accumulates the protocol response."""
+
+    def __init__(self, prep: Prepared, tokenizer: dr.Tokenizer):
+        self._processor = dr.StreamProcessor(prep._generator_factory(), prep._conversation.parsing_options,
+                                             tokenizer)
+        self._response = prep._response_cls(prep._response_id, prep._model, int(time.time()), len(prep.prompt), 0)
+        self._push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=len(prep.prompt))))
+
+    def _push(self, chunk) -> None:
+        for out in self._processor.push(chunk):
+            self._response.accumulate(out)
+
+    def token(self, token: int, logprob: float, top) -> bool:
+        """Push one generated token; True when the processor has ended the response (a stop sequence)."""
+        logprobs = None if top is None else [(logprob, list(top))]
+        self._push(dr.InferenceChunk.tokens([token], logprobs))
+        return self._processor.finished
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        """The final response body; `reason` is the engine's ("stop" or "length")."""
+        if not self._processor.finished:
+            fr = dr.InferenceFinishReason.Stop if reason == "stop" else dr.InferenceFinishReason.Length
+            self._push(dr.InferenceChunk.finish(fr))
+        for out in self._processor.finish():
+            self._response.accumulate(out)
+        return json.loads(self._response.to_json())
+
+
+class Recipe:
+    """Converts batch lines with the recipe; `context_limit` bounds prompt + max_tokens."""
+
+    def __init__(self, tokenizer_path: str, context_limit: int, eos_token_ids: tuple[int, ...],
+                 options: dr.ConversionOptions | None = None):
+        self.tokenizer = dr.Tokenizer.from_file(tokenizer_path)
+        self.context_limit = context_limit
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.options = options or dr.ConversionOptions()
+        self._encodings = {
+            dr.ModelVersion.DeepseekV4Pro: dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer),
+            dr.ModelVersion.DeepseekV41Flash: dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer),
+        }
+
+    def prepare(self, line: InputLine) -> Prepared | ErrorInfo:
+        request_cls, response_cls, id_prefix = _ENDPOINTS[line.url]
+        try:
+            request = request_cls(line.body)
+            model = request.model
+            extras = {}
+            if request_cls is dr.ResponsesRequest:
+                extras = {"tools": request.namespace_tool_map(self.options), "echo": request.echo()}
+            conversation = request.convert(self.options)
+        except (dr.ConversionError, ValueError, TypeError, KeyError) as e:
+            return ErrorInfo("invalid_request", f"the request body was rejected: {e}")
+        try:
+            prompt = self._encodings[conversation.model_version].encode(conversation.conversation)
+        except (ValueError, RuntimeError, KeyError) as e:
+            return ErrorInfo("encoding_failed", f"the prompt could not be encoded with this model's tokenizer: {e}")
+        try:
+            max_tokens = conversation.resolve_max_tokens(len(prompt), self.context_limit)
+        except dr.ConversionError as e:
+            return ErrorInfo("context_length_exceeded", f"{e} (prompt: {len(prompt)} tokens, context limit: "
+                                                         f"{self.context_limit})")
+        opts = conversation.inference_options
+        n_logprobs = None
+        if opts.logprobs:
+            n_logprobs = min(opts.top_logprobs or 0, MAX_LOGPROBS)
+        try:
+            sampling = SamplingParams(temperature=opts.temperature if opts.temperature is not None else 1.0,
+                                      top_p=opts.top_p if opts.top_p is not None else 1.0, seed=opts.seed,
+                                      stop_token_ids=self.eos_token_ids, max_tokens=max_tokens,
+                                      logprobs=n_logprobs)
+        except ValueError as e:
+            return ErrorInfo("invalid_request", f"unsupported sampling options: {e}")
+        response_id = id_prefix + uuid.uuid4().hex
+
+        def generator():
+            gen = request_cls.chunk_generator(conversation, response_id, model)
+            if extras:
+                gen = gen.with_namespace_tool_map(extras["tools"]).with_echo(extras["echo"])
+            return gen
+
+        return Prepared(line, list(prompt), sampling, conversation, generator, response_cls, model, response_id)
+
+    def stream(self, prep: Prepared) -> ResponseStream:
+        return ResponseStream(prep, self.tokenizer)

