@@ -174,29 +174,40 @@ def _cli(model, inp, out):
             "--max-batch", "2", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32", "--quiet"]
 
 
-def test_sigkill_then_rerun_gives_exactly_one_identical_record_per_line(tmp_path, tiny_model_dir):
+def _run_until(cmd, env, out, n_records, sig):
+    """Start the job, wait until `out` holds n_records lines, send `sig`; returns the exit code."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(out) and sum(1 for _ in open(out)) >= n_records:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job ended before it could be stopped"
+    proc.send_signal(sig)
+    return proc.wait(timeout=120)
+
+
+def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp_path, tiny_model_dir):
     items = [chat(f"r{i}", [{"role": "user", "content": f"Tell me {i}"}], max_tokens=3 + i % 4, seed=i,
                   temperature=0.7) for i in range(24)]
     inp = write_jsonl(tmp_path / "in.jsonl", items)
     reference, _ = job(tmp_path, tiny_model_dir, items, name="uninterrupted", max_batch=2)
     out = str(tmp_path / "crash.jsonl")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(_cli(tiny_model_dir, inp, out), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(out) and sum(1 for _ in open(out)) >= 4:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the job ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    cmd = _cli(tiny_model_dir, inp, out)
+
+    assert _run_until(cmd, env, out, 3, signal.SIGINT) == 130  # Ctrl-C: stops cleanly
+    first = records(out)  # every line whole
+    assert json.load(open(summary_path(out)))["interrupted"] is True
+
+    _run_until(cmd, env, out, len(first) + 3, signal.SIGKILL)
     partial = sum(1 for _ in open(out))
-    assert 4 <= partial < len(items)
+    assert len(first) < partial < len(items)
     with open(out, "ab") as f:
         f.write(b'{"id": "batch_req_torn", "custom_id": "r')  # as if killed mid-write
-    assert subprocess.run(_cli(tiny_model_dir, inp, out), env=env, capture_output=True).returncode == 0
+    assert subprocess.run(cmd, env=env, capture_output=True).returncode == 0
     recs = records(out)
     assert len(recs) == len(items)
     assert by_id(recs) == by_id(reference)
-    assert json.load(open(summary_path(out)))["requests_already_done"] == partial
+    summary = json.load(open(summary_path(out)))
+    assert summary["requests_already_done"] == partial and summary["repaired_torn_bytes"] > 0
