@@ -16,10 +16,6 @@ from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 
-# Merged expert tensors are stored [E, in, out] in dsjax, [E, out, in] in HF.
-_EXPERT_LEAVES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
 @dataclass
 class _Target:
     path: tuple
@@ -37,19 +33,11 @@ def _targets(model_abs: DeepseekV4, flat: list) -> dict[str, _Target]:
     out = {}
     for path, var in flat:
         shape = tuple(var.get_value().shape)
-        if path[0] == "groups":
-            group = model_abs.groups_meta[path[1]]
-            leaf = ".".join(str(p) for p in path[4:])
-            per_layer = shape[1:]
-            transposed = leaf in _EXPERT_LEAVES
+        for hf, repeat in names.hf_names_for(model_abs.groups_meta, path):
+            per_layer = shape if repeat is None else shape[1:]
+            transposed = hf.endswith(names.TRANSPOSED_LEAVES)
             hf_shape = (per_layer[0], per_layer[2], per_layer[1]) if transposed else per_layer
-            for r in range(group.repeats):
-                idx = group.layer_index(r, path[3])
-                out[f"model.layers.{idx}.{leaf}"] = _Target(path, r, hf_shape, transposed)
-        else:
-            name = ".".join(str(p) for p in path)
-            hf = "lm_head.weight" if name == "lm_head.weight" else f"model.{name}"
-            out[hf] = _Target(path, None, shape, False)
+            out[hf] = _Target(path, repeat, hf_shape, transposed)
     return out
 
 

@@ -87,3 +87,18 @@ def to_hf(name: str) -> str | ExpertSlice | None:
         if tail.startswith(orig):
             return prefix + hf + tail[len(orig):]
     return prefix + tail
+
+
+# dsjax stores the merged expert tensors [E, in, out]; HF stores them [E, out, in].
+TRANSPOSED_LEAVES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def hf_names_for(groups_meta, path: tuple) -> list[tuple[str, int | None]]:
+    """The HF names a dsjax state path holds, with the index along the stacked-layer axis of each
+    (None for variables outside the layer groups)."""
+    if path[0] != "groups":
+        name = ".".join(str(p) for p in path)
+        return [(name if name == "lm_head.weight" else f"model.{name}", None)]
+    meta = groups_meta[path[1]]
+    leaf = ".".join(str(p) for p in path[4:])
+    return [(f"model.layers.{meta.layer_index(r, path[3])}.{leaf}", r) for r in range(meta.repeats)]

@@ -10,26 +10,19 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from dsjax.checkpoint.names import TRANSPOSED_LEAVES, hf_names_for
 from dsjax.model import DeepseekV4
-
-_EXPERT_LEAVES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def hf_tensors(model: DeepseekV4):
     """Yields (HF name, numpy array) for every variable, layers unstacked, experts back to [E, out, in]."""
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
         value = np.asarray(var.get_value())
-        if path[0] == "groups":
-            meta = model.groups_meta[path[1]]
-            leaf = ".".join(str(p) for p in path[4:])
-            for r in range(meta.repeats):
-                v = value[r]
-                if leaf in _EXPERT_LEAVES:
-                    v = np.ascontiguousarray(np.transpose(v, (0, 2, 1)))
-                yield f"model.layers.{meta.layer_index(r, path[3])}.{leaf}", v
-        else:
-            name = ".".join(str(p) for p in path)
-            yield (name if name == "lm_head.weight" else f"model.{name}"), value
+        for name, repeat in hf_names_for(model.groups_meta, path):
+            v = value if repeat is None else value[repeat]
+            if name.endswith(TRANSPOSED_LEAVES):
+                v = np.ascontiguousarray(np.transpose(v, (0, 2, 1)))
+            yield name, v
 
 
 def save_model(model: DeepseekV4, folder: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
