@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from dsjax.config import ModelConfig
+from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.model import DeepseekV4
 
 COMPONENTS = ("embedding", "attention", "compressor", "indexer", "mhc", "norms", "router",
@@ -28,19 +29,19 @@ def component(path: str) -> str:
         return "embedding"
     if path.startswith("lm_head"):
         return "head"
-    if "hc_head" in path or "attn_hc" in path or "ffn_hc" in path:
+    if "hc_head" in path or path.startswith(("attn_hc", "ffn_hc")):
         return "mhc"
     if ".indexer." in path:
         return "indexer"
     if ".compressor." in path:
         return "compressor"
-    if "self_attn." in path:
+    if path.startswith("self_attn."):
         return "attention"
-    if "mlp.gate." in path:
+    if path.startswith("mlp.gate."):
         return "router"
-    if "mlp.experts." in path:
+    if path.startswith("mlp.experts."):
         return "routed_experts"
-    if "mlp.shared_experts." in path:
+    if path.startswith("mlp.shared_experts."):
         return "shared_expert"
     if path.endswith("layernorm.weight") or path == "norm.weight":
         return "norms"
@@ -79,29 +80,40 @@ def _fp4_bytes(shape) -> int:
     return n // 2 + n // _FP4_GROUP
 
 
+def _abstract_variables(cfg: ModelConfig):
+    """(path, Variable of ShapeDtypeStruct, copies) for the whole model: the layer-free parts once and
+    one abstract layer per distinct (attention, MLP) kind, counted as often as the kind occurs."""
+    top = nnx.eval_shape(lambda: DeepseekV4(cfg.replace(num_hidden_layers=0, layer_types=(), mlp_layer_types=()),
+                                            rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    yield from ((path, var, 1) for path, var in nnx.to_flat_state(nnx.state(top)))
+    for kind in sorted(set(cfg.layer_kinds)):
+        layer = nnx.eval_shape(lambda kind=kind: DecoderLayer(cfg, *kind, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+        copies = cfg.layer_kinds.count(kind)
+        yield from ((path, var, copies) for path, var in nnx.to_flat_state(nnx.state(layer)))
+
+
 def model_info(cfg: ModelConfig) -> ModelInfo:
     """Counts per component, per-token-active count and bytes at bf16 / FP8 / FP8 with FP4 experts."""
-    model = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
     info = ModelInfo()
     frac_inactive = 1 - cfg.num_experts_per_tok / cfg.n_routed_experts
-    for path, var in nnx.to_flat_state(nnx.state(model)):
+    for path, var, copies in _abstract_variables(cfg):
         sds = var.get_value()
         name = ".".join(str(p) for p in path)
         n = math.prod(sds.shape)
         nbytes = n * np.dtype(sds.dtype).itemsize
         if not isinstance(var, nnx.Param):  # buffers (tid2eid, correction bias): memory, not parameters
             for attr in ("bytes_bf16", "bytes_fp8", "bytes_fp4_experts"):
-                setattr(info, attr, getattr(info, attr) + nbytes)
+                setattr(info, attr, getattr(info, attr) + copies * nbytes)
             continue
         comp = component(name)
-        info.total += n
-        info.by_component[comp] += n
-        info.active += n - (round(n * frac_inactive) if comp == "routed_experts" else 0)
-        info.bytes_bf16 += nbytes
+        info.total += copies * n
+        info.by_component[comp] += copies * n
+        info.active += copies * (n - (round(n * frac_inactive) if comp == "routed_experts" else 0))
+        info.bytes_bf16 += copies * nbytes
         is_linear = name.endswith(".weight") and comp not in ("embedding", "head", "router", "norms") \
-            and len(sds.shape) - (1 if name.startswith("groups") else 0) == 2
+            and len(sds.shape) == 2
         fp8 = _fp8_bytes(sds.shape) if (is_linear and not any(s in name for s in _FP8_SKIP)) \
             or comp == "routed_experts" else nbytes
-        info.bytes_fp8 += fp8
-        info.bytes_fp4_experts += _fp4_bytes(sds.shape) if comp == "routed_experts" else fp8
+        info.bytes_fp8 += copies * fp8
+        info.bytes_fp4_experts += copies * (_fp4_bytes(sds.shape) if comp == "routed_experts" else fp8)
     return info

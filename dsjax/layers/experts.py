@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import tokamax
 from flax import nnx
 
 from dsjax.config import ModelConfig
@@ -33,6 +32,8 @@ class RoutedExperts(nnx.Module):
 
     def __call__(self, x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array) -> jax.Array:
         """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])`: pairs sorted by expert, two grouped matmuls."""
+        import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
+
         n, k = idx_nk.shape
         e = self.cfg.n_routed_experts
         flat_e = idx_nk.reshape(-1)
