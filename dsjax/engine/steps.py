@@ -56,8 +56,8 @@ class Engine:
     def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
         """Feed each active slot its last token and sample the next; inactive slots are untouched."""
-        return _decode(self.graphdef, self.params, cache, jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool),
-                            sampling)
+        return _decode(self.graphdef, self.params, cache, jnp.asarray(last_tokens, jnp.int32),
+                       jnp.asarray(active, bool), sampling)
 
     def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
                 sampling: SamplingArrays, pad_slots: Sequence[int] = ()) -> tuple[Cache, Sampled]:
