@@ -19,7 +19,8 @@ def _info(args: argparse.Namespace) -> int:
     for comp in COMPONENTS:
         n = info.by_component[comp]
         print(f"  {comp:<15} {n:>18,}  {100 * n / info.total:5.1f}%")
-    print(f"  layers: {cfg.num_hidden_layers} ({', '.join(f'{t}×{cfg.layer_types.count(t)}' for t in sorted(set(cfg.layer_types)))})")
+    kinds = ", ".join(f"{t}×{cfg.layer_types.count(t)}" for t in sorted(set(cfg.layer_types)))
+    print(f"  layers: {cfg.num_hidden_layers} ({kinds})")
     context = args.context or cfg.max_position_embeddings
     per_type = cache_bytes_per_token(cfg, context)
     whole = sum(per_type[t] * cfg.layer_types.count(t) for t in per_type)
@@ -57,7 +58,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=4096, help="prompt + generated tokens per sequence (4096)")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--seed", type=int, default=0, help="job seed: requests that set no seed draw from it and their custom_id")
+    p.add_argument("--seed", type=int, default=0,
+                   help="job seed: requests that set no seed draw from it and their custom_id")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

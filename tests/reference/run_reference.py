@@ -195,7 +195,8 @@ def capture(model, input_ids) -> dict[str, np.ndarray]:
 
     for li, layer in enumerate(model.model.layers):
         for name, get in CAPTURED_MODULES.items():
-            module = get(layer) if name not in ("compressor", "indexer") or layer.self_attn.compressor is not None else None
+            has_compressor = layer.self_attn.compressor is not None
+            module = get(layer) if name not in ("compressor", "indexer") or has_compressor else None
             if module is not None:
                 hooks.append(module.register_forward_hook(hook_for(f"L{li}.{name}"), with_kwargs=True))
     hooks.append(model.model.hc_head.register_forward_hook(hook_for("hc_head"), with_kwargs=True))
