@@ -26,7 +26,7 @@ def hf_tensors(model: DeepseekV4):
 
 
 def save_model(model: DeepseekV4, folder: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
-    """Write `model` as config.json + model-XXXXX-of-YYYYY.safetensors + index (bf16 stays bf16)."""
+    """Write `model` as config.json + model-00001-of-0000N.safetensors shards + index (bf16 stays bf16)."""
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
