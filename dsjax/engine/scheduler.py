@@ -51,14 +51,21 @@ class _Slots:
 
     def __init__(self, n: int, max_len: int):
         self.max_len = max_len
+        self._sampling = None  # (requests, SamplingArrays) of the last call
         self.request: list[Request | None] = [None] * n
         self.total = [0] * n  # tokens in the sequence, prompt + generated
         self.generated = [0] * n
         self.last = [0] * n
 
     def sampling(self, rows) -> SamplingArrays:
-        reqs = [self.request[s] for s in rows]
-        return SamplingArrays.of([r.sampling if r else _IDLE for r in reqs], [r.seed if r else 0 for r in reqs])
+        reqs = tuple(self.request[s] for s in rows)
+        # Rebuilt only when the slots' requests change, not on every decode step.
+        last = self._sampling[0] if self._sampling else ()
+        if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):
+            arrays = SamplingArrays.of([r.sampling if r else _IDLE for r in reqs],
+                                       [r.seed if r else 0 for r in reqs])
+            self._sampling = (reqs, arrays)
+        return self._sampling[1]
 
 
 def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None = None,

@@ -9,11 +9,11 @@ at position w·m, the window's start. Entry w becomes visible to query position 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-import dataclasses
 
 from dsjax.cache import CompressorState
 from dsjax.config import ModelConfig
@@ -85,7 +85,7 @@ class Compressor(nnx.Module):
         cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bk, pooled_bkc.dtype)
         return apply_rope(pooled_bkc, cos, sin)
 
-    def extend(self, x_bch: jax.Array, state: CompressorState, start_b: jax.Array, n_valid_b: jax.Array):
+    def append(self, x_bch: jax.Array, state: CompressorState, start_b: jax.Array, n_valid_b: jax.Array):
         """Append C chunk tokens (the first `n_valid` of each row are real) after `start` cached ones.
 
         Returns all entries `[B, max_len // m, width]` (those of windows completed here written in)
@@ -126,16 +126,20 @@ class Compressor(nnx.Module):
 
         w_end_b = end_b // m
         tail_k = jnp.clip(w_end_b - w0_b, 0, n_win - 1)  # window (within the span) holding the new tail
-        take = lambda a_bkmx, k_b: jnp.take_along_axis(a_bkmx, k_b[:, None, None, None], axis=1)[:, 0]  # noqa
-        new = dataclasses.replace(state, entries=entries,
-                                  buffer_kv=take(kv_bkmn, tail_k), buffer_gate=take(gate_bkmn, tail_k))
+        new = dataclasses.replace(state, entries=entries, buffer_kv=_window(kv_bkmn, tail_k),
+                                  buffer_gate=_window(gate_bkmn, tail_k))
         if self.overlap:
             last_k = jnp.clip(w_end_b - 1 - w0_b, 0, n_win - 1)
             moved = (w_end_b > w0_b)[:, None, None]
             c = self.width
-            new.overlap_kv = jnp.where(moved, take(kv_bkmn, last_k)[..., :c], state.overlap_kv)
-            new.overlap_gate = jnp.where(moved, take(gate_bkmn, last_k)[..., :c], state.overlap_gate)
+            new.overlap_kv = jnp.where(moved, _window(kv_bkmn, last_k)[..., :c], state.overlap_kv)
+            new.overlap_gate = jnp.where(moved, _window(gate_bkmn, last_k)[..., :c], state.overlap_gate)
         return entries, new
+
+
+def _window(a_bkmx: jax.Array, k_b: jax.Array) -> jax.Array:
+    """Window k_b[b] of each row: `[B, K, m, x] -> [B, m, x]`."""
+    return jnp.take_along_axis(a_bkmx, k_b[:, None, None, None], axis=1)[:, 0]
 
 
 class HCACompressor(Compressor):
@@ -151,7 +155,7 @@ class HCACompressor(Compressor):
 
     def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache):
         """Cached form: (all entries, their visibility `[B,C,T]`, new LayerCache fields)."""
-        entries, state = Compressor.extend(self, x_bch, cache.compressor, start_b, n_valid_b)
+        entries, state = self.append(x_bch, cache.compressor, start_b, n_valid_b)
         return entries, entry_visible(positions_bc, entries.shape[1], self.rate), {"compressor": state}
 
 
@@ -170,7 +174,7 @@ class CSACompressor(Compressor):
         return entries, self.indexer(x_bsh, q_res_bsr, positions_bs)
 
     def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache):
-        entries, state = Compressor.extend(self, x_bch, cache.compressor, start_b, n_valid_b)
+        entries, state = self.append(x_bch, cache.compressor, start_b, n_valid_b)
         picked, index_state = self.indexer.extend(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b,
                                                   cache.indexer)
         return entries, picked, {"compressor": state, "indexer": index_state}

@@ -54,7 +54,7 @@ class Indexer(Compressor):
 
     def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, state):
         """Cached form: the selection over all cached keys `[B,C,max_len//m]` and the new key state."""
-        keys, state = Compressor.extend(self, x_bch, state, start_b, n_valid_b)
+        keys, state = self.append(x_bch, state, start_b, n_valid_b)
         return self.select(*self.scores(x_bch, q_res_bcr, positions_bc, keys)), state
 
     def select(self, score_bst: jax.Array, visible: jax.Array) -> jax.Array:
