@@ -72,16 +72,19 @@ class StackedLayers(nnx.Module):
             for attn, mlp in group.pattern
         ])
 
-    def __call__(self, h_bsnh, positions_bs, token_ids_bs):
+    def __call__(self, h_bsnh, positions_bs, token_ids_bs, record: bool = False):
+        """The streams after the group, and (with `record`) one dict of intermediates per pattern
+        position, each value stacked over the repeats."""
         graphdef, state = nnx.split(self.layers)
 
         def body(h, layer_state):
+            records = []
             for layer in nnx.merge(graphdef, layer_state):
-                h = layer(h, positions_bs, token_ids_bs)
-            return h, None
+                records.append({} if record else None)
+                h = layer(h, positions_bs, token_ids_bs, records[-1])
+            return h, records if record else None
 
-        h_bsnh, _ = jax.lax.scan(body, h_bsnh, state)
-        return h_bsnh
+        return jax.lax.scan(body, h_bsnh, state)
 
     def extend(self, h_bcnh, token_ids_bc, start_b, n_valid_b, caches: tuple):
         """Cached form: `caches[p]` is pattern position p's LayerCache stacked over the repeats."""
@@ -133,15 +136,21 @@ class DeepseekV4(nnx.Module):
                 return nnx.merge(graphdef, jax.tree.map(lambda x: x[repeat], state))
         raise IndexError(f"layer {index} out of range for {self.cfg.num_hidden_layers} layers")
 
-    def hidden_states(self, input_ids: jax.Array) -> jax.Array:
-        """Final normed hidden states `[B,T,H]` (positions 0…T−1 in every row)."""
+    def hidden_states(self, input_ids: jax.Array, record: bool = False):
+        """Final normed hidden states `[B,T,H]` (positions 0…T−1 in every row); with `record`, also the
+        per-layer intermediates (see `forward`)."""
         b, t = input_ids.shape
         positions_bs = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embed_tokens(input_ids)
         h_bsnh = jnp.broadcast_to(x[:, :, None, :], (b, t, self.cfg.hc_mult, x.shape[-1]))
-        for group in self.groups:
-            h_bsnh = group(h_bsnh, positions_bs, input_ids)
-        return self.norm(self.hc_head(h_bsnh))
+        per_layer = []
+        for group, meta in zip(self.groups, self.groups_meta):
+            h_bsnh, records = group(h_bsnh, positions_bs, input_ids, record)
+            if record:
+                per_layer += [{k: v[r] for k, v in records[p].items()}
+                              for r in range(meta.repeats) for p in range(len(meta.pattern))]
+        hidden = self.norm(self.hc_head(h_bsnh))
+        return (hidden, per_layer) if record else hidden
 
     def extend(self, tokens_bc: jax.Array, cache: Cache, start_b: jax.Array, n_valid_b: jax.Array):
         """Run C new tokens per slot through the cache: row b's tokens sit at positions start[b]…, of
@@ -166,13 +175,21 @@ class DeepseekV4(nnx.Module):
         graphdef, state = nnx.split(self)
         return _jitted_forward(graphdef, state, input_ids, lengths)
 
-    def forward(self, input_ids: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
-        """The traceable forward behind `__call__` (which jits it); use it inside your own transforms."""
-        logits = self.logits(self.hidden_states(input_ids))
+    def forward(self, input_ids: jax.Array, lengths: jax.Array | None = None, record: bool = False):
+        """The traceable forward behind `__call__` (which jits it); use it inside your own transforms.
+
+        With `record`, returns `(logits, per_layer)`: for each layer a dict of what it computed on the way,
+        `attn_hc_comb`/`ffn_hc_comb [B,T,N,N]` (mHC mixing), `expert_ids [B,T,k]`, and for CSA layers
+        `indexer_picks [B,T,entries]` and `indexer_kl`, for top-k MoE layers `moe_balance` (the training
+        losses of `dsjax.training.loss`).
+        """
+        hidden = self.hidden_states(input_ids, record)
+        hidden, per_layer = hidden if record else (hidden, None)
+        logits = self.logits(hidden)
         if lengths is not None:
             valid_bs = jnp.arange(input_ids.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
             logits = jnp.where(valid_bs[..., None], logits, 0.0)
-        return logits
+        return (logits, per_layer) if record else logits
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -89,6 +89,26 @@ def to_hf(name: str) -> str | ExpertSlice | None:
     return prefix + tail
 
 
+_TOP_ORIGINAL = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+                 "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+                 "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+def to_original(hf_name: str) -> str:
+    """The original DeepSeek name of an HF-named tensor (the merged expert tensors excepted: the caller
+    splits those into `ffn.experts.E.w1/w3/w2.weight`). Inverse of `to_hf`."""
+    if hf_name in _TOP_ORIGINAL:
+        return _TOP_ORIGINAL[hf_name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    if not m:
+        raise ValueError(f"{hf_name!r} is not a DeepSeek-V4 HF tensor name")
+    layer, tail = m.groups()
+    for orig, hf in _LAYER_RULES:
+        if tail.startswith(hf):
+            return f"layers.{layer}.{orig}{tail[len(hf):]}"
+    return f"layers.{layer}.{tail}"
+
+
 # dsjax stores the merged expert tensors [E, in, out]; HF stores them [E, out, in].
 TRANSPOSED_LEAVES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

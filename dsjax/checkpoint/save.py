@@ -1,5 +1,5 @@
-"""`save_model`: a DeepseekV4 → a Hugging Face folder (config.json + sharded safetensors, HF module names)
-that `load_model` and transformers both read."""
+"""`save_model`: a DeepseekV4 → a Hugging Face folder (config.json + sharded safetensors), with HF module
+names or DeepSeek's original ones; `load_model` and transformers read both."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from dsjax.checkpoint.names import TRANSPOSED_LEAVES, hf_names_for
+from dsjax.checkpoint.names import TRANSPOSED_LEAVES, hf_names_for, to_original
 from dsjax.model import DeepseekV4
 
 
@@ -25,13 +25,36 @@ def hf_tensors(model: DeepseekV4):
             yield name, v
 
 
-def save_model(model: DeepseekV4, folder: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
-    """Write `model` as config.json + model-00001-of-0000N.safetensors shards + index (bf16 stays bf16)."""
+def original_tensors(model: DeepseekV4):
+    """Yields (original DeepSeek name, numpy array): per-expert `w1`/`w3`/`w2` `[out, in]`, int64 `tid2eid`."""
+    inter = model.cfg.moe_intermediate_size
+    for name, value in hf_tensors(model):
+        if name.endswith(TRANSPOSED_LEAVES):
+            prefix = f"layers.{name.split('.')[2]}.ffn.experts."
+            for e in range(value.shape[0]):
+                if name.endswith("down_proj"):
+                    yield f"{prefix}{e}.w2.weight", value[e]
+                else:
+                    yield f"{prefix}{e}.w1.weight", np.ascontiguousarray(value[e, :inter])
+                    yield f"{prefix}{e}.w3.weight", np.ascontiguousarray(value[e, inter:])
+        else:
+            yield to_original(name), value.astype(np.int64) if name.endswith("tid2eid") else value
+
+
+def save_model(model: DeepseekV4, folder: str | os.PathLike, max_shard_bytes: int = 4 << 30,
+               naming: str = "hf") -> None:
+    """Write `model` as config.json + model-00001-of-0000N.safetensors shards + index (bf16 stays bf16).
+
+    `naming`: "hf" (HF module names, merged experts) or "original" (DeepSeek's release names).
+    """
+    tensors = {"hf": hf_tensors, "original": original_tensors}.get(naming)
+    if tensors is None:
+        raise ValueError(f"naming must be 'hf' or 'original', got {naming!r}")
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name, value in hf_tensors(model):
+    for name, value in tensors(model):
         if size and size + value.nbytes > max_shard_bytes:
             shards.append({})
             size = 0

@@ -74,12 +74,17 @@ class Attention(nnx.Module):
         kv_bsd = apply_rope(self.kv_norm(self.kv_proj(x_bsh)), cos, sin)
         return cos[:, :, None], sin[:, :, None], q_res_bsr, q_bshd, kv_bsd
 
-    def __call__(self, x_bsh: jax.Array, positions_bs: jax.Array) -> jax.Array:
+    def __call__(self, x_bsh: jax.Array, positions_bs: jax.Array, record: dict | None = None) -> jax.Array:
+        """`record`, if given, receives a CSA layer's `indexer_picks [B,S,T]` and `indexer_kl`."""
         cfg = self.cfg
         cos_h, sin_h, q_res_bsr, q_bshd, kv_bsd = self._project_in(x_bsh, positions_bs)
         visible_bsk = window_visible(positions_bs, positions_bs, cfg.sliding_window)
         if self.compressor is not None:
             entries_btd, entry_visible_bst = self.compressor(x_bsh, q_res_bsr, positions_bs)
+            if record is not None and self.attention_type == CSA:
+                record["indexer_picks"] = entry_visible_bst
+                record["indexer_kl"] = self.compressor.indexer.distillation_loss(
+                    x_bsh, q_res_bsr, positions_bs, q_bshd, entries_btd, cfg.head_dim ** -0.5)
             kv_bsd = jnp.concatenate([kv_bsd, entries_btd], axis=1)
             visible_bsk = jnp.concatenate([visible_bsk, entry_visible_bst], axis=-1)
 

@@ -23,12 +23,18 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, mlp_type, rngs=rngs, dtype=dtype)
 
-    def __call__(self, h_bsnh: jax.Array, positions_bs: jax.Array, token_ids_bs: jax.Array) -> jax.Array:
+    def __call__(self, h_bsnh: jax.Array, positions_bs: jax.Array, token_ids_bs: jax.Array,
+                 record: dict | None = None) -> jax.Array:
+        """`record`, if given, receives this layer's intermediates (see `DeepseekV4.forward`)."""
         post, comb, collapsed = self.attn_hc(h_bsnh)
-        a_bsh = self.self_attn(self.input_layernorm(collapsed), positions_bs)
+        a_bsh = self.self_attn(self.input_layernorm(collapsed), positions_bs, record)
         h_bsnh = mix_streams(post, comb, a_bsh, h_bsnh)
+        if record is not None:
+            record["attn_hc_comb"] = comb
         post, comb, collapsed = self.ffn_hc(h_bsnh)
-        f_bsh = self.mlp(self.post_attention_layernorm(collapsed), token_ids_bs)
+        f_bsh = self.mlp(self.post_attention_layernorm(collapsed), token_ids_bs, record)
+        if record is not None:
+            record["ffn_hc_comb"] = comb
         return mix_streams(post, comb, f_bsh, h_bsnh)
 
     def extend(self, h_bcnh, token_ids_bc, start_b, n_valid_b, cache):
