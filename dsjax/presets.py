@@ -35,6 +35,41 @@ PRESETS: dict[str, dict[str, Any]] = {
         "hc_mult": 4,
         "hc_sinkhorn_iters": 20,
     },
+    # The embedded default model (`dsjax/embedded/`), trained by `scripts/train_tiny.py`: every V4
+    # component at a size whose bf16 weights fit the 25 MB package budget. Its 8,192-token vocabulary
+    # is DeepSeek-V4's own, cut to the first merges (`dsjax/training/tokenizer.py`). Training rows of
+    # 512 tokens see up to 128 CSA entries (32 picked) and 32 HCA entries past the 64-token window.
+    "demo": {
+        "model_type": "deepseek_v4",
+        "vocab_size": 8192,
+        "hidden_size": 256,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "head_dim": 64,
+        "partial_rotary_factor": 0.25,
+        "q_lora_rank": 128,
+        "num_experts_per_tok": 2,
+        "n_routed_experts": 8,
+        "layer_types": ["sliding_attention", "heavily_compressed_attention",
+                        "compressed_sparse_attention", "heavily_compressed_attention",
+                        "compressed_sparse_attention", "heavily_compressed_attention"],
+        "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                         "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 2048,
+        "sliding_window": 64,
+        "o_groups": 2,
+        "o_lora_rank": 64,
+        "index_n_heads": 16,
+        "index_head_dim": 32,
+        "index_topk": 32,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
     # DeepSeek-V4-Flash: the reference's default dimensions (DeepseekV4Config()), 43 layers.
     "v4-flash": {"model_type": "deepseek_v4"},
     # DeepSeek-V4.1-Flash: the V4 architecture with 40 decoder layers and ~552B parameters, as DeepSeek

@@ -1,0 +1,1 @@
+"""Training the embedded default model: its tokenizer, corpus, loss and optimiser loop."""

@@ -1,0 +1,105 @@
+"""The optimiser loop: AdamW on fp32 master weights, forward and backward in `compute_dtype`.
+
+Reproducible from the seed: initial weights, the hash-routing table and the row order all derive
+from it. The aux losses (indexer distillation, expert balance) are those of `training_loss`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.model import DeepseekV4
+from dsjax.training.loss import LossWeights, evaluate, training_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 4000
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    warmup_steps: int = 200
+    final_lr_fraction: float = 0.05
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+    eval_every: int = 500
+    loss_weights: LossWeights = LossWeights()
+
+
+def init_model(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> DeepseekV4:
+    """Fresh weights from `seed`, with a hash-routing table that sends each token to k distinct experts."""
+    model = DeepseekV4(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    rng = np.random.default_rng(seed)
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if path[-1] == "tid2eid":
+            shape = var.get_value().shape  # [repeats, V, k]
+            table = np.stack([np.argsort(rng.random((shape[1], e)), axis=-1)[:, :k] for _ in range(shape[0])])
+            var.set_value(jnp.asarray(table, var.get_value().dtype))
+    return model
+
+
+def cast_like(model: DeepseekV4, dtype) -> DeepseekV4:
+    """`model` with each weight in the dtype a model built with `dtype` gives it (fp32 ones stay fp32)."""
+    target = nnx.eval_shape(lambda: DeepseekV4(model.cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, abstract = nnx.split(target)
+    state = jax.tree.map(lambda a, v: jnp.asarray(v).astype(a.dtype), abstract, nnx.state(model))
+    return nnx.merge(graphdef, state)
+
+
+def _optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    warmup = min(tc.warmup_steps, tc.steps // 2)  # short runs (tests) still decay
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, warmup, tc.steps,
+                                                  tc.learning_rate * tc.final_lr_fraction)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask))
+
+
+def train(cfg: ModelConfig, tc: TrainConfig, train_rows: np.ndarray, heldout_rows: np.ndarray,
+          log: Callable[[dict], None] = print) -> DeepseekV4:
+    """Train from scratch on `train_rows [N, S]`; logs a dict every `eval_every` steps and at the end."""
+    model = init_model(cfg, tc.seed)
+    compute = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(tc.compute_dtype)))
+    compute_graphdef, compute_params, _ = nnx.split(compute, nnx.Param, ...)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    dtypes = jax.tree.map(lambda a: a.dtype, compute_params)
+    tx = _optimizer(tc)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, rest, tokens):
+        def loss_fn(p):
+            p = jax.tree.map(lambda x, d: x.astype(d), p, dtypes)
+            return training_loss(nnx.merge(compute_graphdef, p, rest), tokens, tc.loss_weights)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
+
+    rng = np.random.default_rng(tc.seed)
+    t0, tokens_seen, running = time.perf_counter(), 0, []
+    for i in range(1, tc.steps + 1):
+        batch = train_rows[rng.integers(0, len(train_rows), tc.batch_size)].astype(np.int32)
+        params, opt_state, metrics = step(params, opt_state, rest, jnp.asarray(batch))
+        tokens_seen += batch.size
+        running.append(metrics)
+        if i % tc.eval_every == 0 or i == tc.steps:
+            host = jax.device_get(running)
+            running = []
+            entry = {"step": i, "tokens": tokens_seen, "seconds": round(time.perf_counter() - t0, 1)}
+            entry.update({k: round(float(np.mean([m[k] for m in host])), 4) for k in host[0]})
+            current = nnx.merge(*nnx.split(model, nnx.Param, ...)[:1], params, rest)
+            entry["heldout_ce"] = round(evaluate(current, heldout_rows), 4)
+            log(entry)
+    return nnx.merge(nnx.split(model, nnx.Param, ...)[0], params, rest)

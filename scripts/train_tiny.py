@@ -1,0 +1,122 @@
+"""Train the embedded default model and write it in DeepSeek's original checkpoint format.
+
+    python scripts/train_tiny.py --out dsjax/embedded/model
+
+Steps: derive the tokenizer from DeepSeek-V4's (`dsjax.training.tokenizer`), render the Python
+standard library as chat conversations (`dsjax.training.corpus`), train the `demo` preset from the
+seed (`dsjax.training.train`), store the weights in bf16 under the original names, reload them from
+disk and measure the held-out loss twice: with the training code (no cache) and through the
+inference path (prefill + cached decode). Writes `tokenizer.json`, `config.json`, the safetensors,
+`heldout.npy`, `train_log.jsonl`, `metrics.json` and `README.md` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder to write the model into")
+    ap.add_argument("--preset", default="demo")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--learning-rate", type=float, default=3e-3)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--corpus", help="an .npz written by an earlier run's --save-corpus (skips rendering)")
+    ap.add_argument("--save-corpus", help="also write the rendered corpus to this .npz")
+    ap.add_argument("--stdlib", help="Python standard library folder (default: this interpreter's)")
+    ap.add_argument("--max-shard-mb", type=float, default=12.0, help="safetensors shard size limit")
+    ap.add_argument("--corpus-only", action="store_true", help="stop after writing the tokenizer and corpus")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    import dsjax
+    from dsjax.checkpoint.save import save_model
+    from dsjax.config import ModelConfig
+    from dsjax.engine.scoring import teacher_forced_logprobs
+    from dsjax.training.corpus import build_corpus
+    from dsjax.training.loss import evaluate, unigram_entropy
+    from dsjax.training.tokenizer import write_tokenizer
+    from dsjax.training.train import TrainConfig, cast_like, train
+
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    cfg = ModelConfig.preset(args.preset)
+    tok_path = os.path.join(out, "tokenizer.json")
+    write_tokenizer(tok_path, cfg.vocab_size)
+    log_path = os.path.join(out, "train_log.jsonl")
+    log_file = open(log_path, "w")
+
+    def log(entry: dict) -> None:
+        print(json.dumps(entry), flush=True)
+        log_file.write(json.dumps(entry) + "\n")
+        log_file.flush()
+
+    t0 = time.perf_counter()
+    if args.corpus:
+        data = np.load(args.corpus)
+        train_rows, heldout = data["train"], data["heldout"]
+        stats = json.loads(str(data["stats"]))
+    else:
+        corpus = build_corpus(tok_path, args.seq_len, args.seed, root=args.stdlib)
+        train_rows, heldout, stats = corpus.train, corpus.heldout, corpus.stats
+        stats["python"] = platform.python_version()
+    if args.save_corpus:
+        np.savez(args.save_corpus, train=train_rows, heldout=heldout, stats=json.dumps(stats))
+    log({"corpus": stats, "seconds": round(time.perf_counter() - t0, 1)})
+    np.save(os.path.join(out, "heldout.npy"), heldout)
+    if args.corpus_only:
+        return 0
+
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                     seed=args.seed, eval_every=args.eval_every)
+    log({"train_config": dataclasses.asdict(tc), "preset": args.preset, "devices": str(jax.devices())})
+    t_train = time.perf_counter()
+    model = train(cfg, tc, train_rows, heldout, log)
+    train_seconds = time.perf_counter() - t_train
+
+    save_model(cast_like(model, jnp.bfloat16), out, max_shard_bytes=int(args.max_shard_mb * 2**20),
+               naming="original")
+    shipped = dsjax.load_model(out)  # what users get: bf16 weights read back in fp32
+    training_ce = evaluate(shipped, heldout)
+    prefill = args.seq_len // 4
+    inference_ce = float(-teacher_forced_logprobs(shipped, heldout, prefill).astype(np.float64).mean())
+    metrics = {
+        "heldout_ce_training_code": round(training_ce, 5),
+        "heldout_ce_inference_path": round(inference_ce, 5),
+        "heldout_unigram_entropy": round(unigram_entropy(heldout, cfg.vocab_size), 5),
+        "heldout_rows": list(heldout.shape), "inference_path_prefill_tokens": prefill,
+        "train_seconds": round(train_seconds, 1), "train_tokens": tc.steps * tc.batch_size * args.seq_len,
+        "device": str(jax.devices()[0].device_kind), "commit": _commit(),
+        "command": "python scripts/train_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    log({"final": metrics})
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

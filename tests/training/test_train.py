@@ -1,0 +1,100 @@
+"""The training objective and loop on the tiny preset: losses, what each aux loss trains, and learning."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.layers.moe import balance_loss
+from dsjax.training.loss import LossWeights, evaluate, token_nll, training_loss, unigram_entropy
+from dsjax.training.train import TrainConfig, cast_like, init_model, train
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(ModelConfig.preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return np.random.default_rng(0).integers(0, 512, (4, 40)).astype(np.int32)
+
+
+def test_hash_table_sends_each_token_to_distinct_experts(model):
+    cfg = model.cfg
+    for i, (_, mlp) in enumerate(cfg.layer_kinds):
+        if mlp == "hash_moe":
+            table = np.asarray(model.layer(i).mlp.gate.tid2eid[...])
+            assert table.shape == (cfg.vocab_size, cfg.num_experts_per_tok)
+            assert all(len(set(r)) == len(r) for r in table) and table.max() < cfg.n_routed_experts
+            assert len(np.unique(table[:, 0])) == cfg.n_routed_experts
+
+
+def test_recorded_forward_gives_the_same_logits_and_every_intermediate(model, rows):
+    plain = model.forward(jnp.asarray(rows))
+    logits, per_layer = model.forward(jnp.asarray(rows), record=True)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(logits))
+    assert len(per_layer) == model.cfg.num_hidden_layers
+    for (attn, mlp), rec in zip(model.cfg.layer_kinds, per_layer):
+        assert rec["attn_hc_comb"].shape == (4, 40, 4, 4) and rec["expert_ids"].shape == (4, 40, 2)
+        np.testing.assert_allclose(np.asarray(rec["ffn_hc_comb"]).sum(-2), 1.0, atol=1e-3)  # Sinkhorn
+        assert ("indexer_kl" in rec) == (attn == "compressed_sparse_attention")
+        assert ("moe_balance" in rec) == (mlp == "moe")
+        if "indexer_picks" in rec:
+            picks = np.asarray(rec["indexer_picks"])
+            assert picks.sum(-1).max() <= model.cfg.index_topk and picks[:, :3].sum() == 0  # causal
+            assert float(rec["indexer_kl"]) >= 0
+
+
+def test_loss_is_mean_nll_and_aux_losses_train_only_their_parts(model, rows):
+    tokens = jnp.asarray(rows)
+    total, m = training_loss(model, tokens, LossWeights(indexer=1.0, balance=0.01))
+    assert float(total) == pytest.approx(float(m["ce"] + m["indexer_kl"] + 0.01 * m["moe_balance"]), rel=1e-6)
+    assert float(m["ce"]) == pytest.approx(evaluate(model, rows), rel=1e-5)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def grads(weights):
+        fn = lambda p: training_loss(nnx.merge(graphdef, p, rest), tokens, weights)[0]  # noqa: E731
+        return {"/".join(map(str, k)): float(jnp.abs(v.get_value()).sum())
+                for k, v in nnx.to_flat_state(jax.grad(fn)(params))}
+
+    ce_only, kl_only = grads(LossWeights(0.0, 0.0)), None
+    indexer = [k for k in ce_only if "/indexer/" in k]
+    assert indexer and all(ce_only[k] == 0 for k in indexer)  # top-k selection passes no gradient
+    kl_only = jax.tree.map(lambda a, b: b - a, ce_only, grads(LossWeights(1.0, 0.0)))
+    assert all(kl_only[k] != 0 for k in indexer if "weight" in k)
+    assert all(kl_only[k] == 0 for k in ce_only if "/indexer/" not in k)  # the KL is detached from the model
+
+
+def test_balance_loss_is_one_when_balanced_and_larger_when_not():
+    scores = jnp.ones((8, 4))
+    balanced = jnp.asarray([[0, 1], [2, 3]] * 4)
+    assert float(balance_loss(scores, balanced)) == pytest.approx(1.0)
+    skewed = jnp.asarray([[0, 1]] * 8)
+    peaked = scores.at[:, :2].set(3.0)
+    assert float(balance_loss(peaked, skewed)) > 1.4
+
+
+def test_unigram_entropy_and_token_nll():
+    rows = np.asarray([[5, 1, 1, 2, 2]])
+    assert unigram_entropy(rows, 8) == pytest.approx(np.log(2))
+    logits = jnp.log(jnp.asarray([[[0.25, 0.75]]]))
+    assert float(token_nll(logits, jnp.asarray([[1]]))[0, 0]) == pytest.approx(-np.log(0.75), rel=1e-6)
+
+
+def test_a_short_run_learns_a_repeating_text_and_casts_for_shipping():
+    cfg = ModelConfig.preset("tiny")
+    base = np.random.default_rng(1).integers(3, 500, 24)
+    rows = np.stack([np.roll(np.tile(base, 3), -i)[:40] for i in range(24)]).astype(np.uint16)
+    log = []
+    model = train(cfg, TrainConfig(steps=40, batch_size=8, eval_every=20, learning_rate=3e-3), rows[:20],
+                  rows[20:], log.append)
+    assert [e["step"] for e in log] == [20, 40]
+    assert log[-1]["heldout_ce"] < 0.5 * np.log(cfg.vocab_size) and log[-1]["ce"] < log[0]["ce"]
+    shipped = cast_like(model, jnp.bfloat16)
+    assert shipped.embed_tokens.weight[...].dtype == jnp.bfloat16
+    assert shipped.layer(0).attn_hc.fn[...].dtype == jnp.float32  # mHC stays fp32, as the reference keeps it
+    assert abs(evaluate(shipped, rows[20:]) - log[-1]["heldout_ce"]) < 0.05
