@@ -33,6 +33,17 @@ def _info(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from dsjax.batch.job import JobConfig, run_job, summary_path
 
+    if args.demo:
+        if args.model or args.input:
+            raise ValueError("--demo runs the embedded model on its bundled requests: drop --model and --input")
+        from dsjax.demo import run_demo
+
+        s = run_demo(args.output, progress=not args.quiet)
+        return 0 if s["requests_failed"] == 0 else 1
+    missing = [flag for flag, v in (("--model", args.model), ("--input", args.input), ("--output", args.output))
+               if not v]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} required (or --demo)")
     cfg = JobConfig(model=args.model, input=args.input, output=args.output, max_batch=args.max_batch,
                     max_len=args.max_len, chunk_size=args.chunk_size, dtype=args.dtype, seed=args.seed,
                     progress=not args.quiet)
@@ -50,10 +61,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model folder (config.json, safetensors, "
-                   "tokenizer.json)")
-    p.add_argument("--input", required=True, help="requests, JSONL in the OpenAI Batch format")
-    p.add_argument("--output", required=True, help="results JSONL (appended; re-running resumes it)")
+    p.add_argument("--model", help="Hugging Face model folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--input", help="requests, JSONL in the OpenAI Batch format")
+    p.add_argument("--output", help="results JSONL (appended; re-running resumes it)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences in flight (default 8)")
     p.add_argument("--max-len", type=int, default=4096, help="prompt + generated tokens per sequence (4096)")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256)")
@@ -74,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: max_position_embeddings)")
     info.set_defaults(func=_info)
     gen = sub.add_parser("generate", help="run a batch of API requests (OpenAI Batch JSONL) through a model")
+    gen.add_argument("--demo", action="store_true", help="run the bundled requests through the embedded "
+                     "model and print a few responses (--output optional)")
     add_generate_args(gen)
     gen.set_defaults(func=_generate)
     return parser

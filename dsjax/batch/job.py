@@ -163,8 +163,10 @@ def _run(cfg, engine, recipe, results, stats, timer, bar, t_start) -> None:
             stats["prompt_tokens"] += len(prep.prompt)
         stats["generated_tokens"] += 1
         reason = ev.finish_reason
+        # The EOS that ends a request is not part of its text (the recipe would decode its spelling).
+        ends_on_eos = reason == "stop" and ev.token in prep.sampling.stop_token_ids
         try:
-            if stream.token(ev.token, ev.logprob, ev.top) and reason is None:
+            if not ends_on_eos and stream.token(ev.token, ev.logprob, ev.top) and reason is None:
                 cancelled.add(ev.index)  # the processor saw a stop sequence
                 reason = "stop"
             body = stream.finish(reason) if reason else None
