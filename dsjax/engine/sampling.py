@@ -84,8 +84,10 @@ def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array)
     greedy_b = jnp.argmax(logits_bv, axis=-1)
 
     temp_b = jnp.maximum(params.temperature, 1e-6)[:, None]
-    sorted_logits, sorted_ids = jax.lax.sort_key_val(-logits_bv, jnp.broadcast_to(
-        jnp.arange(logits_bv.shape[-1]), logits_bv.shape), dimension=-1)
+    # A stable sort orders tied logits by token id, so top-k/top-p cuts never depend on how the sort
+    # happened to order ties (which differs with the batch's shape).
+    ids_bv = jnp.broadcast_to(jnp.arange(logits_bv.shape[-1]), logits_bv.shape)
+    sorted_logits, sorted_ids = jax.lax.sort((-logits_bv, ids_bv), dimension=-1, is_stable=True, num_keys=1)
     scaled = -sorted_logits / temp_b  # descending
     rank = jnp.arange(logits_bv.shape[-1])[None, :]
     keep = (params.top_k[:, None] == 0) | (rank < params.top_k[:, None])
@@ -99,8 +101,10 @@ def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array)
         key = jax.random.fold_in(jax.random.key(seed), pos)
         return jax.random.gumbel(key, (n,), jnp.float32)
 
-    noise = jax.vmap(gumbel, in_axes=(0, 0, None))(params.seed, positions_b, logits_bv.shape[-1])
-    picked_rank = jnp.argmax(scaled + noise, axis=-1)
+    # Each token id owns its noise draw, so a request's choice depends only on its own logits.
+    noise_bv = jax.vmap(gumbel, in_axes=(0, 0, None))(params.seed, positions_b, logits_bv.shape[-1])
+    noise_sorted = jnp.take_along_axis(noise_bv, sorted_ids, axis=-1)
+    picked_rank = jnp.argmax(scaled + noise_sorted, axis=-1)
     sampled_b = jnp.take_along_axis(sorted_ids, picked_rank[:, None], axis=-1)[:, 0]
     token_b = jnp.where(params.temperature == 0, greedy_b, sampled_b).astype(jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[-1]))

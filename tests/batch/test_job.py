@@ -188,8 +188,9 @@ def _run_until(cmd, env, out, n_records, sig):
 
 
 def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp_path, tiny_model_dir):
-    items = [chat(f"r{i}", [{"role": "user", "content": f"Tell me {i}"}], max_tokens=3 + i % 4, seed=i,
-                  temperature=0.7) for i in range(24)]
+    # Enough work after the first records that the signals land mid-job even on a fast machine.
+    items = [chat(f"r{i}", [{"role": "user", "content": f"Tell me {i}"}], max_tokens=12 + i % 4, seed=i,
+                  temperature=0.7) for i in range(40)]
     inp = write_jsonl(tmp_path / "in.jsonl", items)
     reference, _ = job(tmp_path, tiny_model_dir, items, name="uninterrupted", max_batch=2)
     out = str(tmp_path / "crash.jsonl")

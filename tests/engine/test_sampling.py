@@ -62,3 +62,25 @@ def test_position_changes_the_draw_seed_fixes_it():
 def test_invalid_params_are_refused(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+def test_tied_logits_are_sampled_by_each_tokens_own_noise_whatever_the_batch():
+    """Among exactly tied tokens the pick is the one whose own Gumbel draw is largest: it must not depend
+    on where a sort puts ties. (It did: the noise was drawn per rank, and two tied tokens swapped between
+    two jobs holding the same request, caught by the job's interrupt-and-resume test.)"""
+    vocab = 4096
+    flat = jnp.zeros((1, vocab), jnp.float32)
+    params = SamplingArrays.of([SamplingParams(temperature=1.0)], [77])
+    token = int(sample(flat, params, jnp.asarray([9])).token[0])
+    own_noise = jax.random.gumbel(jax.random.fold_in(jax.random.key(77), 9), (vocab,), jnp.float32)
+    assert token == int(jnp.argmax(own_noise))
+
+    rng = np.random.default_rng(0)
+    row = jnp.asarray(np.round(rng.normal(size=(1, vocab)), 1), jnp.float32)  # many exact ties
+    for seed in range(20):
+        alone = sample(row, SamplingArrays.of([SamplingParams(temperature=1.0, top_k=50)], [seed]), jnp.asarray([3]))
+        others = jnp.asarray(np.round(rng.normal(size=(3, vocab)), 1), jnp.float32)
+        batch = jnp.concatenate([others[:2], row, others[2:]])
+        sp = SamplingArrays.of([SamplingParams(temperature=1.0, top_k=50)] * 4, [seed + 1, seed + 2, seed, 5])
+        together = sample(batch, sp, jnp.asarray([1, 2, 3, 4]))
+        assert int(alone.token[0]) == int(together.token[2])
