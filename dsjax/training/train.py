@@ -7,6 +7,7 @@ from it. The aux losses (indexer distillation, expert balance) are those of `tra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -72,18 +73,18 @@ def train(cfg: ModelConfig, tc: TrainConfig, train_rows: np.ndarray, heldout_row
     model = init_model(cfg, tc.seed)
     compute = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(tc.compute_dtype)))
     compute_graphdef, compute_params, _ = nnx.split(compute, nnx.Param, ...)
-    _, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     dtypes = jax.tree.map(lambda a: a.dtype, compute_params)
     tx = _optimizer(tc)
     opt_state = tx.init(params)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, rest, tokens):
         def loss_fn(p):
             p = jax.tree.map(lambda x, d: x.astype(d), p, dtypes)
             return training_loss(nnx.merge(compute_graphdef, p, rest), tokens, tc.loss_weights)
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
@@ -99,7 +100,6 @@ def train(cfg: ModelConfig, tc: TrainConfig, train_rows: np.ndarray, heldout_row
             running = []
             entry = {"step": i, "tokens": tokens_seen, "seconds": round(time.perf_counter() - t0, 1)}
             entry.update({k: round(float(np.mean([m[k] for m in host])), 4) for k in host[0]})
-            current = nnx.merge(*nnx.split(model, nnx.Param, ...)[:1], params, rest)
-            entry["heldout_ce"] = round(evaluate(current, heldout_rows), 4)
+            entry["heldout_ce"] = round(evaluate(nnx.merge(graphdef, params, rest), heldout_rows), 4)
             log(entry)
-    return nnx.merge(nnx.split(model, nnx.Param, ...)[0], params, rest)
+    return nnx.merge(graphdef, params, rest)
