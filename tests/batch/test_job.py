@@ -174,17 +174,31 @@ def _cli(model, inp, out):
             "--max-batch", "2", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32", "--quiet"]
 
 
+# Runs the job as a terminal would: Ctrl-C unblocked and not ignored, whatever the test process
+# passes on (under the full suite, a pytest worker's child once ignored SIGINT and ran to the end).
+_INTERRUPTIBLE = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
+                  "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
 def _run_until(cmd, env, out, n_records, sig):
     """Start the job, wait until `out` holds n_records lines, send `sig`; returns the exit code."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(out + ".stderr", "w")
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, *cmd[1:]], env=env, stdout=log, stderr=log)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if os.path.exists(out) and sum(1 for _ in open(out)) >= n_records:
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the job ended before it could be stopped"
+    at_signal = sum(1 for _ in open(out))
     proc.send_signal(sig)
-    return proc.wait(timeout=120)
+    rc = proc.wait(timeout=120)
+    log.close()
+    if sig == signal.SIGINT and rc != 130:
+        raise AssertionError(f"exit {rc} after SIGINT with {at_signal} records written, "
+                             f"{sum(1 for _ in open(out))} at exit; stderr: {open(out + '.stderr').read()[-2000:]}")
+    return rc
 
 
 def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp_path, tiny_model_dir):
