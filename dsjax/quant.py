@@ -1,0 +1,130 @@
+"""DeepSeek-V4's low-precision weight formats: FP8 block-scaled linears and FP4 routed experts.
+
+- **FP8** (`float8_e4m3fn`, weight `[..., out, in]`) with one scale per 128 × 128 block,
+  `scale [..., ⌈out/128⌉, ⌈in/128⌉]`, stored as fp32 or as ue8m0 (a power of two, byte b = 2^(b−127)).
+  The checkpoint calls it `weight_scale_inv`, but it is the multiplier: `W[i,j] = q[i,j]·s[i//128, j//128]`.
+  Edge blocks may be partial.
+- **FP4** (e2m1) with two codes per byte, the low nibble holding the even column, and one ue8m0 scale per
+  row per 32 consecutive input elements: `W[o,k] = e2m1(code[o,k])·s[o, k//32]`, packed `int8 [..., out, in/2]`
+  and scale `[..., out, in/32]`.
+
+Dequantization multiplies in fp32 (exact for FP4, one rounding for FP8), as the reference does, then
+casts. Every function works on numpy and JAX arrays alike and is traceable under `jit`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+FP8_BLOCK = (128, 128)
+FP4_GROUP = 32
+FP4_MAX = 6.0
+# e2m1 codes 0-15; bit 3 is the sign.
+E2M1_VALUES = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                         np.float32)
+
+
+def ue8m0_to_float(scale) -> jnp.ndarray:
+    """A ue8m0 scale (uint8 bytes or `float8_e8m0fnu`) as fp32: 2^(b−127), built from its bits so it is
+    exact on every backend (255 is NaN); other dtypes are cast to fp32."""
+    scale = jnp.asarray(scale)
+    if scale.dtype == jnp.float8_e8m0fnu:
+        scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+    if scale.dtype != jnp.uint8:
+        return scale.astype(jnp.float32)
+    b = scale.astype(jnp.uint32)
+    bits = jnp.where(b == 0, jnp.uint32(0x00400000), b << 23)  # b = 0: the subnormal 2^-127
+    bits = jnp.where(b == 255, jnp.uint32(0x7FC00000), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def float_to_ue8m0(x) -> np.ndarray:
+    """The ue8m0 byte of the smallest power of two ≥ x (x > 0), as uint8."""
+    x = np.asarray(x, np.float32)
+    exponent = np.ceil(np.log2(np.maximum(x, np.finfo(np.float32).tiny)))
+    return np.clip(exponent + 127, 0, 254).astype(np.uint8)
+
+
+def _expand_blocks(scale, rows: int, cols: int, block: tuple[int, int]):
+    """`[..., R, C]` block scales → `[..., rows, cols]`, trimming partial edge blocks."""
+    s = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    return s[..., :rows, :cols]
+
+
+def dequantize_fp8(q, scale, dtype=jnp.float32, block: tuple[int, int] = FP8_BLOCK) -> jnp.ndarray:
+    """`q [..., out, in]` e4m3 with block scales `[..., ⌈out/bm⌉, ⌈in/bn⌉]` (fp32 or ue8m0) → `dtype`."""
+    q = jnp.asarray(q)
+    rows, cols = q.shape[-2:]
+    want = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape[-2:]) != want:
+        raise ValueError(f"FP8 weight {tuple(q.shape)} needs block scales {want} for blocks {block}, "
+                         f"got {tuple(scale.shape)}")
+    s = _expand_blocks(ue8m0_to_float(scale), rows, cols, block)
+    return (q.astype(jnp.float32) * s).astype(dtype)
+
+
+def quantize_fp8(w, block: tuple[int, int] = FP8_BLOCK, scale_fmt: str = "float"):
+    """`w [..., out, in]` → (e4m3 `q`, block scales): each block's max |w| maps to ±448.
+
+    `scale_fmt`: "float" (fp32 scales) or "ue8m0" (uint8 power-of-two scales, rounded up so no value
+    overflows). Edge blocks may be partial; an all-zero block gets scale 1. The arithmetic is the
+    reference quantizer's (fp32, multiply by 448/amax), so whole blocks give the same bytes.
+    """
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ValueError(f"scale_fmt must be 'float' or 'ue8m0', got {scale_fmt!r}")
+    w = np.asarray(w, np.float32)
+    rows, cols = w.shape[-2:]
+    br, bc = -(-rows // block[0]), -(-cols // block[1])
+    padded = np.zeros(w.shape[:-2] + (br * block[0], bc * block[1]), np.float32)
+    padded[..., :rows, :cols] = w
+    tiles = padded.reshape(w.shape[:-2] + (br, block[0], bc, block[1]))
+    amax = np.abs(tiles).max(axis=(-3, -1))
+    forward = np.where(amax > 0, np.float32(FP8_MAX) / np.where(amax > 0, amax, 1), 1).astype(np.float32)
+    stored = (np.float32(1) / forward).astype(np.float32)
+    if scale_fmt == "ue8m0":
+        stored = float_to_ue8m0(stored)
+        forward = (np.float32(1) / np.asarray(ue8m0_to_float(stored))).astype(np.float32)
+    scaled = tiles * forward[..., :, None, :, None]
+    q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.reshape(padded.shape)[..., :rows, :cols], stored
+
+
+def unpack_fp4(packed) -> jnp.ndarray:
+    """`int8/uint8 [..., n]`, two e2m1 codes per byte (low nibble first) → fp32 values `[..., 2n]`."""
+    u8 = jnp.asarray(packed).view(jnp.uint8) if jnp.asarray(packed).dtype == jnp.int8 else jnp.asarray(packed)
+    lut = jnp.asarray(E2M1_VALUES)
+    low, high = lut[u8 & 0xF], lut[(u8 >> 4) & 0xF]
+    return jnp.stack([low, high], axis=-1).reshape(u8.shape[:-1] + (2 * u8.shape[-1],))
+
+
+def dequantize_fp4(packed, scale, dtype=jnp.float32, group: int = FP4_GROUP) -> jnp.ndarray:
+    """Packed e2m1 `[..., out, in/2]` with ue8m0 scales `[..., out, in/group]` → `[..., out, in]`."""
+    values = unpack_fp4(packed)
+    cols = values.shape[-1]
+    if scale.shape[-1] * group != cols or scale.shape[:-1] != values.shape[:-1]:
+        raise ValueError(f"FP4 weight of {cols} columns per row {tuple(values.shape[:-1])} needs scales "
+                         f"{tuple(values.shape[:-1]) + (cols // group,)}, got {tuple(scale.shape)}")
+    s = jnp.repeat(ue8m0_to_float(scale), group, axis=-1)
+    return (values * s).astype(dtype)
+
+
+def quantize_fp4(w, group: int = FP4_GROUP):
+    """`w [..., out, in]` (in divisible by `group`) → (packed int8 `[..., out, in/2]`, ue8m0 uint8 scales
+    `[..., out, in/group]`). Each group's scale is the smallest power of two that fits its max |w| in ±6;
+    values round to the nearest e2m1 (ties to even)."""
+    w = np.asarray(w, np.float32)
+    cols = w.shape[-1]
+    if cols % group or cols % 2:
+        raise ValueError(f"FP4 needs the input dimension ({cols}) to be a multiple of {group}")
+    groups = w.reshape(w.shape[:-1] + (cols // group, group))
+    amax = np.abs(groups).max(axis=-1)
+    stored = float_to_ue8m0(np.where(amax > 0, amax / FP4_MAX, 1.0))
+    scaled = groups / np.asarray(ue8m0_to_float(stored))[..., None]
+    codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(w.shape) & 0xF
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8).view(np.int8)
+    return packed, stored
