@@ -96,7 +96,8 @@ def quantize_fp8(w, block: tuple[int, int] = FP8_BLOCK, scale_fmt: str = "float"
 
 def unpack_fp4(packed) -> jnp.ndarray:
     """`int8/uint8 [..., n]`, two e2m1 codes per byte (low nibble first) → fp32 values `[..., 2n]`."""
-    u8 = jnp.asarray(packed).view(jnp.uint8) if jnp.asarray(packed).dtype == jnp.int8 else jnp.asarray(packed)
+    u8 = jnp.asarray(packed)
+    u8 = u8.view(jnp.uint8) if u8.dtype == jnp.int8 else u8
     lut = jnp.asarray(E2M1_VALUES)
     low, high = lut[u8 & 0xF], lut[(u8 >> 4) & 0xF]
     return jnp.stack([low, high], axis=-1).reshape(u8.shape[:-1] + (2 * u8.shape[-1],))
