@@ -11,6 +11,7 @@ from dsjax.config import ModelConfig
 def _info(args: argparse.Namespace) -> int:
     from dsjax.cache import cache_bytes_per_token
     from dsjax.info import COMPONENTS, model_info
+    from dsjax.quant import KV_DTYPES
 
     cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
     info = model_info(cfg)
@@ -22,11 +23,12 @@ def _info(args: argparse.Namespace) -> int:
     kinds = ", ".join(f"{t}×{cfg.layer_types.count(t)}" for t in sorted(set(cfg.layer_types)))
     print(f"  layers: {cfg.num_hidden_layers} ({kinds})")
     context = args.context or cfg.max_position_embeddings
-    per_type = cache_bytes_per_token(cfg, context)
-    whole = sum(per_type[t] * cfg.layer_types.count(t) for t in per_type)
-    print(f"  cache per token of context at {context:,} tokens (bf16): "
-          + ", ".join(f"{t} {b:,.0f} B/layer" for t, b in per_type.items())
-          + f"; whole model {whole / 1024:,.1f} KiB/token")
+    print(f"  cache per token of context at {context:,} tokens (float parts bf16):")
+    for kv in KV_DTYPES:
+        per_type = cache_bytes_per_token(cfg, context, kv_dtype=kv)
+        whole = sum(per_type[t] * cfg.layer_types.count(t) for t in per_type)
+        print(f"    kv_dtype {kv:<8}  " + ", ".join(f"{t} {b:,.1f} B/layer" for t, b in per_type.items())
+              + f"; whole model {whole / 1024:,.2f} KiB/token")
     return 0
 
 
@@ -45,7 +47,8 @@ def _generate(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"{', '.join(missing)} required (or --demo)")
     cfg = JobConfig(model=args.model, input=args.input, output=args.output, max_batch=args.max_batch,
-                    max_len=args.max_len, chunk_size=args.chunk_size, dtype=args.dtype, seed=args.seed,
+                    max_len=args.max_len, chunk_size=args.chunk_size, dtype=args.dtype, weights=args.weights,
+                    kv_dtype=args.kv_dtype, seed=args.seed,
                     progress=not args.quiet)
     try:
         s = run_job(cfg)
@@ -67,7 +70,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="sequences in flight (default 8)")
     p.add_argument("--max-len", type=int, default=4096, help="prompt + generated tokens per sequence (4096)")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="activations and float weights (bfloat16)")
+    p.add_argument("--weights", default="keep", choices=["keep", "bf16"],
+                   help="FP8/FP4 checkpoints: keep them so on the device and dequantize per layer inside each "
+                        "step (keep), or dequantize once at load into --dtype (bf16)")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"],
+                   help="cache storage of K=V rows (default: --dtype); fp8/fp4 keep the rotary part in bf16 "
+                        "and the indexer's keys in fp8 (docs/quantization.md)")
     p.add_argument("--seed", type=int, default=0,
                    help="job seed: requests that set no seed draw from it and their custom_id")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

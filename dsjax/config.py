@@ -80,6 +80,53 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How a checkpoint stores its weights (HF `quantization_config`, `quant_method: fp8`).
+
+    Linears hold e4m3 weights with one scale per `weight_block_size` block (`scale_fmt` "float": fp32,
+    "ue8m0": powers of two); routed experts are FP8 the same way or, with `expert_dtype` "fp4", e2m1
+    packed two per byte with a ue8m0 scale per row per 32 inputs. Only dynamic activation scaling exists.
+    """
+
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float"
+    expert_dtype: str = "fp8"
+
+    def __post_init__(self):
+        if self.scale_fmt not in ("float", "ue8m0"):
+            raise ConfigError(f"quantization_config.scale_fmt must be 'float' or 'ue8m0', got {self.scale_fmt!r}")
+        if self.expert_dtype not in ("fp8", "fp4"):
+            raise ConfigError(f"quantization_config.expert_dtype must be 'fp8' or 'fp4', got {self.expert_dtype!r}")
+        if len(self.weight_block_size) != 2 or min(self.weight_block_size) <= 0:
+            raise ConfigError("quantization_config.weight_block_size must be two positive ints, got "
+                              f"{list(self.weight_block_size)}")
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any], expert_dtype: str | None = None) -> "QuantConfig":
+        """Read a `quantization_config` dict; a top-level `expert_dtype` fills in a missing one (as the
+        reference copies it)."""
+        method = raw.get("quant_method", "fp8")
+        if method != "fp8":
+            raise ConfigError(f"quantization_config.quant_method is {method!r}; dsjax reads only 'fp8' "
+                              "(block-scaled e4m3, optionally with fp4 experts)")
+        fmt = raw.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ConfigError(f"quantization_config.fmt is {fmt!r}; DeepSeek-V4 weights are 'e4m3'")
+        scheme = raw.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise ConfigError(f"quantization_config.activation_scheme is {scheme!r}; only 'dynamic' is "
+                              "supported (static activation scales are not part of DeepSeek-V4 checkpoints)")
+        return cls(weight_block_size=tuple(int(b) for b in raw.get("weight_block_size") or (128, 128)),
+                   scale_fmt=raw.get("scale_fmt") or "float",
+                   expert_dtype=raw.get("expert_dtype") or expert_dtype or "fp8")
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(self.weight_block_size), "scale_fmt": self.scale_fmt,
+                "expert_dtype": self.expert_dtype}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every field the DeepSeek-V4 forward pass reads. Build it with `from_hf` or `preset`."""
 
@@ -123,6 +170,8 @@ class ModelConfig:
     # Top-level HF keys kept as-is so that to_hf() round-trips them (e.g. rope_theta, n_shared_experts).
     rope_theta: float = 10000.0
     compress_rope_theta: float = 160000.0
+    # None: weights in a float dtype. Otherwise the low-precision storage the weights keep on the device.
+    quantization: QuantConfig | None = None
 
     def __post_init__(self):
         self.validate()
@@ -244,6 +293,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
             "pad_token_id": self.pad_token_id,
+            **({"quantization_config": self.quantization.to_hf()} if self.quantization else {}),
         }
 
     @classmethod
@@ -311,7 +361,11 @@ def _derive(raw: dict[str, Any]) -> dict[str, Any]:
     eos = g("eos_token_id", 1)
     eos = () if eos is None else (tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),))
     n_experts = g("n_routed_experts", g("num_local_experts", 256))
+    qc = g("quantization_config")
+    if qc is not None and not isinstance(qc, Mapping):
+        raise ConfigError(f"quantization_config must be a dict, got {type(qc).__name__}")
     return dict(
+        quantization=QuantConfig.from_hf(qc, g("expert_dtype")) if qc else None,
         vocab_size=int(g("vocab_size", 129280)),
         hidden_size=int(g("hidden_size", 4096)),
         moe_intermediate_size=int(g("moe_intermediate_size", g("intermediate_size", 2048))),

@@ -9,18 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsjax.config import ModelConfig
+from dsjax.config import ModelConfig, QuantConfig
 from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.model import DeepseekV4
 
 COMPONENTS = ("embedding", "attention", "compressor", "indexer", "mhc", "norms", "router",
               "routed_experts", "shared_expert", "head")
-# Linears that FP8 checkpoints keep in bf16 (the reference's skip list): compressor/indexer
-# projections and the indexer's head weights; the router weight and lm_head are not linears there.
-_FP8_SKIP = ("compressor.kv_proj", "compressor.gate_proj", "indexer.kv_proj", "indexer.gate_proj",
-             "scorer.weights_proj")
-_FP8_BLOCK = 128
-_FP4_GROUP = 32
+# The stored formats `model_info` sizes: DeepSeek's FP8 release format with FP8 or FP4 routed experts.
+FP8_STORAGE = QuantConfig(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp8")
+FP4_EXPERT_STORAGE = QuantConfig(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
 
 
 def component(path: str) -> str:
@@ -68,18 +65,6 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _fp8_bytes(shape) -> int:
-    rows, cols = shape[-2:]
-    lead = math.prod(shape[:-2])
-    return lead * (rows * cols + math.ceil(rows / _FP8_BLOCK) * math.ceil(cols / _FP8_BLOCK))  # ue8m0 scales
-
-
-def _fp4_bytes(shape) -> int:
-    # Experts are [E, in, out] here; FP4 packs two codes per byte with one ue8m0 scale per 32 inputs.
-    n = math.prod(shape)
-    return n // 2 + n // _FP4_GROUP
-
-
 def _abstract_variables(cfg: ModelConfig):
     """(path, Variable of ShapeDtypeStruct, copies) for the whole model: the layer-free parts once and
     one abstract layer per distinct (attention, MLP) kind, counted as often as the kind occurs."""
@@ -93,27 +78,27 @@ def _abstract_variables(cfg: ModelConfig):
 
 
 def model_info(cfg: ModelConfig) -> ModelInfo:
-    """Counts per component, per-token-active count and bytes at bf16 / FP8 / FP8 with FP4 experts."""
+    """Counts per component, per-token-active count, and the bytes of the weights as dsjax holds them in
+    bf16, in FP8 (ue8m0 block scales) and in FP8 with FP4 routed experts; modules the reference keeps in
+    fp32 or bf16 count at that width."""
     info = ModelInfo()
+    float_cfg = cfg.replace(quantization=None)
     frac_inactive = 1 - cfg.num_experts_per_tok / cfg.n_routed_experts
-    for path, var, copies in _abstract_variables(cfg):
-        sds = var.get_value()
-        name = ".".join(str(p) for p in path)
-        n = math.prod(sds.shape)
-        nbytes = n * np.dtype(sds.dtype).itemsize
+    for path, var, copies in _abstract_variables(float_cfg):
         if not isinstance(var, nnx.Param):  # buffers (tid2eid, correction bias): memory, not parameters
-            for attr in ("bytes_bf16", "bytes_fp8", "bytes_fp4_experts"):
-                setattr(info, attr, getattr(info, attr) + copies * nbytes)
             continue
+        name = ".".join(str(p) for p in path)
+        n = math.prod(var.get_value().shape)
         comp = component(name)
         info.total += copies * n
         info.by_component[comp] += copies * n
         info.active += copies * (n - (round(n * frac_inactive) if comp == "routed_experts" else 0))
-        info.bytes_bf16 += copies * nbytes
-        is_linear = name.endswith(".weight") and comp not in ("embedding", "head", "router", "norms") \
-            and len(sds.shape) == 2
-        fp8 = _fp8_bytes(sds.shape) if (is_linear and not any(s in name for s in _FP8_SKIP)) \
-            or comp == "routed_experts" else nbytes
-        info.bytes_fp8 += copies * fp8
-        info.bytes_fp4_experts += copies * (_fp4_bytes(sds.shape) if comp == "routed_experts" else fp8)
+    info.bytes_bf16 = _bytes(float_cfg)
+    info.bytes_fp8 = _bytes(cfg.replace(quantization=FP8_STORAGE))
+    info.bytes_fp4_experts = _bytes(cfg.replace(quantization=FP4_EXPERT_STORAGE))
     return info
+
+
+def _bytes(cfg: ModelConfig) -> int:
+    return sum(copies * math.prod(var.get_value().shape) * np.dtype(var.get_value().dtype).itemsize
+               for _, var, copies in _abstract_variables(cfg))

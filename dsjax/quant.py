@@ -9,10 +9,13 @@
   and scale `[..., out, in/32]`.
 
 Dequantization multiplies in fp32 (exact for FP4, one rounding for FP8), as the reference does, then
-casts. Every function works on numpy and JAX arrays alike and is traceable under `jit`.
+casts. Every function takes numpy or JAX arrays, returns JAX arrays and is traceable under `jit`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +46,12 @@ def ue8m0_to_float(scale) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def float_to_ue8m0(x) -> np.ndarray:
-    """The ue8m0 byte of the smallest power of two ≥ x (x > 0), as uint8."""
-    x = np.asarray(x, np.float32)
-    exponent = np.ceil(np.log2(np.maximum(x, np.finfo(np.float32).tiny)))
-    return np.clip(exponent + 127, 0, 254).astype(np.uint8)
+def float_to_ue8m0(x) -> jnp.ndarray:
+    """The ue8m0 byte of the smallest power of two ≥ x (x > 0), as uint8; read off x's bits, so exact."""
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+    exponent = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    inexact = (bits & 0x7FFFFF) != 0
+    return jnp.clip(exponent + inexact.astype(jnp.int32), 0, 254).astype(jnp.uint8)
 
 
 def _expand_blocks(scale, rows: int, cols: int, block: tuple[int, int]):
@@ -73,24 +77,24 @@ def quantize_fp8(w, block: tuple[int, int] = FP8_BLOCK, scale_fmt: str = "float"
 
     `scale_fmt`: "float" (fp32 scales) or "ue8m0" (uint8 power-of-two scales, rounded up so no value
     overflows). Edge blocks may be partial; an all-zero block gets scale 1. The arithmetic is the
-    reference quantizer's (fp32, multiply by 448/amax), so whole blocks give the same bytes.
+    reference quantizer's (fp32, multiply by 448/amax), so whole blocks give the same bytes. Traceable;
+    with `block=(1, n)` it scales each row's n-element groups (the cache's format).
     """
     if scale_fmt not in ("float", "ue8m0"):
         raise ValueError(f"scale_fmt must be 'float' or 'ue8m0', got {scale_fmt!r}")
-    w = np.asarray(w, np.float32)
-    rows, cols = w.shape[-2:]
+    w = jnp.asarray(w, jnp.float32)
+    lead, (rows, cols) = w.shape[:-2], w.shape[-2:]
     br, bc = -(-rows // block[0]), -(-cols // block[1])
-    padded = np.zeros(w.shape[:-2] + (br * block[0], bc * block[1]), np.float32)
-    padded[..., :rows, :cols] = w
-    tiles = padded.reshape(w.shape[:-2] + (br, block[0], bc, block[1]))
-    amax = np.abs(tiles).max(axis=(-3, -1))
-    forward = np.where(amax > 0, np.float32(FP8_MAX) / np.where(amax > 0, amax, 1), 1).astype(np.float32)
-    stored = (np.float32(1) / forward).astype(np.float32)
+    padded = jnp.pad(w, [(0, 0)] * len(lead) + [(0, br * block[0] - rows), (0, bc * block[1] - cols)])
+    tiles = padded.reshape(lead + (br, block[0], bc, block[1]))
+    amax = jnp.max(jnp.abs(tiles), axis=(-3, -1))
+    forward = jnp.where(amax > 0, jnp.float32(FP8_MAX) / jnp.where(amax > 0, amax, 1), jnp.float32(1))
+    stored = jnp.float32(1) / forward
     if scale_fmt == "ue8m0":
         stored = float_to_ue8m0(stored)
-        forward = (np.float32(1) / np.asarray(ue8m0_to_float(stored))).astype(np.float32)
+        forward = jnp.float32(1) / ue8m0_to_float(stored)
     scaled = tiles * forward[..., :, None, :, None]
-    q = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    q = jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8)
     return q.reshape(padded.shape)[..., :rows, :cols], stored
 
 
@@ -107,25 +111,88 @@ def dequantize_fp4(packed, scale, dtype=jnp.float32, group: int = FP4_GROUP) -> 
     """Packed e2m1 `[..., out, in/2]` with ue8m0 scales `[..., out, in/group]` → `[..., out, in]`."""
     values = unpack_fp4(packed)
     cols = values.shape[-1]
-    if scale.shape[-1] * group != cols or scale.shape[:-1] != values.shape[:-1]:
+    want = tuple(values.shape[:-1]) + (-(-cols // group),)
+    if tuple(scale.shape) != want:
         raise ValueError(f"FP4 weight of {cols} columns per row {tuple(values.shape[:-1])} needs scales "
-                         f"{tuple(values.shape[:-1]) + (cols // group,)}, got {tuple(scale.shape)}")
-    s = jnp.repeat(ue8m0_to_float(scale), group, axis=-1)
+                         f"{want}, got {tuple(scale.shape)}")
+    s = jnp.repeat(ue8m0_to_float(scale), group, axis=-1)[..., :cols]
     return (values * s).astype(dtype)
 
 
-def quantize_fp4(w, group: int = FP4_GROUP):
+def quantize_fp4(w, group: int = FP4_GROUP, partial: bool = False):
     """`w [..., out, in]` (in divisible by `group`) → (packed int8 `[..., out, in/2]`, ue8m0 uint8 scales
     `[..., out, in/group]`). Each group's scale is the smallest power of two that fits its max |w| in ±6;
-    values round to the nearest e2m1 (ties to even)."""
-    w = np.asarray(w, np.float32)
+    values round to the nearest e2m1 (ties to even). `partial` allows a shorter last group (the cache
+    format; checkpoints never have one). Traceable."""
+    w = jnp.asarray(w, jnp.float32)
     cols = w.shape[-1]
-    if cols % group or cols % 2:
+    if cols % 2 or (cols % group and not partial):
         raise ValueError(f"FP4 needs the input dimension ({cols}) to be a multiple of {group}")
-    groups = w.reshape(w.shape[:-1] + (cols // group, group))
-    amax = np.abs(groups).max(axis=-1)
-    stored = float_to_ue8m0(np.where(amax > 0, amax / FP4_MAX, 1.0))
-    scaled = groups / np.asarray(ue8m0_to_float(stored))[..., None]
-    codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(w.shape) & 0xF
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8).view(np.int8)
-    return packed, stored
+    n_groups = -(-cols // group)
+    groups = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, n_groups * group - cols)])
+    groups = groups.reshape(w.shape[:-1] + (n_groups, group))
+    amax = jnp.max(jnp.abs(groups), axis=-1)
+    stored = float_to_ue8m0(jnp.where(amax > 0, amax / FP4_MAX, 1.0))
+    scaled = groups / ue8m0_to_float(stored)[..., None]
+    codes = jax.lax.bitcast_convert_type(scaled.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+    codes = codes.reshape(w.shape[:-1] + (n_groups * group,))[..., :cols]
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return jax.lax.bitcast_convert_type(packed, jnp.int8), stored
+
+
+# ------------------------------------------------------------------------------------------ KV cache
+KV_DTYPES = ("bfloat16", "fp8", "fp4")
+KV_FP8_GROUP = 64  # attention K=V rows: one fp32 scale per 64 channels (448 = 7 × 64 on V4)
+INDEX_FP8_GROUP = 128  # indexer keys: one fp32 scale per 128 channels, as DeepSeek-V3.2's indexer cache
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales", "rope"],
+                   meta_fields=["group"])
+@dataclasses.dataclass
+class PackedKV:
+    """Cache rows `[..., width]` held low precision: the leading `width − rd` channels as codes with
+    per-group scales, the trailing rd rotary channels (V4's RoPE slice) in bf16.
+
+    - fp8: `codes` e4m3 `[..., n]`, `scales` fp32 `[..., ⌈n/group⌉]`;
+    - fp4: `codes` int8 `[..., n/2]` (two e2m1, low nibble first), `scales` ue8m0 uint8 `[..., ⌈n/32⌉]`.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    rope: jax.Array
+    group: int
+
+    @property
+    def fmt(self) -> str:
+        return "fp8" if self.codes.dtype == FP8 else "fp4"
+
+
+def pack_kv(x, fmt: str, rope_dim: int, group: int = KV_FP8_GROUP) -> PackedKV:
+    """Rows `x [..., width]` → PackedKV in `fmt` ("fp8" or "fp4"; fp4 always uses groups of 32)."""
+    x = jnp.asarray(x)
+    n = x.shape[-1] - rope_dim
+    body = x[..., :n].astype(jnp.float32)
+    if fmt == "fp8":
+        q, s = quantize_fp8(body[..., None, :], (1, group))
+        codes, scales = q[..., 0, :], s[..., 0, :]
+    elif fmt == "fp4":
+        group = FP4_GROUP
+        codes, scales = quantize_fp4(body, group, partial=True)
+    else:
+        raise ValueError(f"cache rows pack as 'fp8' or 'fp4', got {fmt!r}")
+    return PackedKV(codes, scales, x[..., n:].astype(jnp.bfloat16), group)
+
+
+def unpack_kv(p: PackedKV, dtype) -> jax.Array:
+    """PackedKV → rows `[..., width]` in `dtype`."""
+    if p.fmt == "fp8":
+        body = dequantize_fp8(p.codes[..., None, :], p.scales[..., None, :], dtype, (1, p.group))[..., 0, :]
+    else:
+        body = dequantize_fp4(p.codes, p.scales, dtype, p.group)
+    return jnp.concatenate([body, p.rope.astype(dtype)], axis=-1)
+
+
+def empty_kv(shape: tuple[int, ...], fmt: str, rope_dim: int, group: int = KV_FP8_GROUP) -> PackedKV:
+    """All-zero PackedKV rows of `shape` (`[..., width]`); they unpack to zeros."""
+    return jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: pack_kv(jnp.zeros(shape, jnp.float32), fmt,
+                                                                             rope_dim, group)))

@@ -8,6 +8,10 @@ from flax import nnx
 
 from dsjax.cache import cache_bytes_per_token, init_cache
 from dsjax.config import CSA, HCA, SLIDING, ModelConfig
+from dsjax.engine.scoring import _score_step, teacher_forced_logprobs
+from dsjax.engine.steps import Engine
+from dsjax.model import DeepseekV4
+from dsjax.quant import PackedKV, pack_kv, ue8m0_to_float, unpack_kv
 from tests.helpers import assert_close
 
 
@@ -66,3 +70,57 @@ def test_cache_shapes_follow_max_len():
     assert by_type[CSA].compressor.overlap_kv.shape == (1, 3, cfg.compress_rate_csa, cfg.head_dim)
     per_token = cache_bytes_per_token(cfg, 64)
     assert per_token[CSA] > per_token[HCA] > 0 and per_token[SLIDING] > 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
+def test_quantized_cache_stores_exactly_the_packed_rows(kv_dtype):
+    """Layer 0's rows do not depend on the cache format, so after the same prefill its quantized window,
+    compressed entries and indexer keys are the float cache's rows packed (up to XLA fusing the float
+    arithmetic differently inside the two programs: a last-bit change may move a scale by an ulp)."""
+    cfg = ModelConfig.preset("tiny").replace(layer_types=(CSA, HCA, SLIDING, CSA))
+    model = DeepseekV4(cfg, rngs=nnx.Rngs(5))
+    graphdef, params = nnx.split(model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 30)), jnp.int32)
+
+    @jax.jit
+    def prefill(params, cache):
+        return nnx.merge(graphdef, params).extend(ids, cache, jnp.zeros(2, jnp.int32), jnp.full(2, 30, jnp.int32))[1]
+
+    ref = prefill(params, init_cache(model, 2, 32)).groups[0][0]
+    got = prefill(params, init_cache(model, 2, 32, kv_dtype=kv_dtype)).groups[0][0]
+    rd = cfg.rope_compress.rope_dim(cfg.head_dim)
+    written = lambda x: jax.tree.map(lambda a: a[:, :, :30 // 4], x)  # noqa: E731 (entries of complete windows)
+    pairs = [(got.window, pack_kv(ref.window, kv_dtype, rd)),
+             (written(got.compressor.entries), pack_kv(written(ref.compressor.entries), kv_dtype, rd)),
+             (written(got.indexer.entries), pack_kv(written(ref.indexer.entries), "fp8", 0, cfg.index_head_dim))]
+    for stored, want in pairs:
+        assert isinstance(stored, PackedKV) and stored.group == want.group
+        for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(want)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+        assert (np.asarray(stored.codes).view(np.uint8) == np.asarray(want.codes).view(np.uint8)).mean() > 0.99
+        np.testing.assert_allclose(np.asarray(ue8m0_to_float(stored.scales)),
+                                   np.asarray(ue8m0_to_float(want.scales)), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(stored.rope, np.float32), np.asarray(want.rope, np.float32), rtol=1e-2)
+    assert got.indexer.entries.fmt == "fp8" and got.window.fmt == kv_dtype
+    np.testing.assert_array_equal(np.asarray(got.compressor.buffer_kv), np.asarray(ref.compressor.buffer_kv))
+
+
+def test_quantized_cache_is_close_to_the_float_cache_and_stays_compiled(load_case):
+    """Teacher-forced through prefill + decode steps: fp8 rows move the next-token distribution a little,
+    fp4 rows more, bf16 rows least; none of them recompiles per step."""
+    model = load_case("mixed")
+    rows = np.random.default_rng(2).integers(0, model.cfg.vocab_size, (2, 56))
+    base = teacher_forced_logprobs(model, rows, 24, chunk_size=8, full=True)
+    kl = {}
+    for kv in ("bfloat16", "fp8", "fp4"):
+        got = teacher_forced_logprobs(model, rows, 24, chunk_size=8, kv_dtype=kv, full=True)
+        kl[kv] = float(np.mean(np.sum(np.exp(base) * (base - got), axis=-1)))
+    assert 0 < kl["bfloat16"] < kl["fp8"] < kl["fp4"] < 0.05, kl
+    before = _score_step._cache_size()  # a chunk program and a decode program per format, nothing per step
+    teacher_forced_logprobs(model, rows[::-1], 24, chunk_size=8, kv_dtype="fp4", full=True)
+    assert _score_step._cache_size() == before
+
+
+def test_bad_kv_dtype_is_named(load_case):
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        Engine(load_case("mixed"), num_slots=2, max_len=16, kv_dtype="int8")

@@ -1,9 +1,12 @@
 """`dsjax info`: parameter counts from abstract shapes, checked against the reference's meta-device count."""
 
 import json
+import math
 
+import jax.numpy as jnp
 import pytest
 
+from dsjax.cache import cache_bytes_per_token
 from dsjax.cli import main
 from dsjax.config import ModelConfig
 from dsjax.info import COMPONENTS, model_info
@@ -41,3 +44,56 @@ def test_info_cli_bad_preset(capsys):
 @pytest.mark.parametrize("name", ["tiny", "v4-flash", "v4.1-flash"])
 def test_presets_build(name):
     ModelConfig.preset(name).validate()
+
+
+def _fp8(rows, cols):  # e4m3 bytes + one ue8m0 byte per 128×128 block
+    return rows * cols + math.ceil(rows / 128) * math.ceil(cols / 128)
+
+
+def test_v4_flash_weight_bytes_match_a_hand_count():
+    """FP8 dense linears with ue8m0 block scales, FP4 routed experts (one ue8m0 per row per 32 inputs),
+    and the rest as the reference keeps it: bf16 embedding/head/router/compressor projections, fp32
+    norms/mHC/sinks/biases, and our int32 hash table."""
+    V, H, E, I, Hc = 129280, 4096, 256, 2048, 4  # noqa: N806
+    f32 = lambda n: 4 * n  # noqa: E731
+    bf16 = lambda r, c: 2 * r * c  # noqa: E731
+    attention = (_fp8(1024, H) + _fp8(64 * 512, 1024) + _fp8(512, H) + _fp8(8 * 1024, 64 * 512 // 8)
+                 + _fp8(H, 8 * 1024) + f32(1024 + 512 + 64))
+    csa = (2 * bf16(2 * 512, H) + f32(4 * 2 * 512 + 512)  # compressor
+           + 2 * bf16(2 * 128, H) + f32(4 * 2 * 128 + 128) + _fp8(64 * 128, 1024) + bf16(64, H))  # indexer
+    hca = 2 * bf16(512, H) + f32(128 * 512 + 512)
+    per_layer = attention + 2 * f32((2 + Hc) * Hc * Hc * H + (2 + Hc) * Hc + 3) + f32(2 * H)
+    shared = 2 * _fp8(I, H) + _fp8(H, I)
+    moe_fp4 = E * (2 * I * H // 2 + 2 * I * H // 32) + E * (H * I // 2 + H * I // 32)
+    moe_fp8 = E * (_fp8(2 * I, H) + _fp8(H, I))
+    routing = {"hash": bf16(E, H) + 4 * V * 6, "topk": bf16(E, H) + f32(E)}
+    top = 2 * bf16(V, H) + f32(H) + f32(Hc * Hc * H + Hc + 1)
+    layers = 43 * (per_layer + shared) + 20 * csa + 23 * hca + 3 * routing["hash"] + 40 * routing["topk"]
+    info = model_info(ModelConfig.preset("v4-flash"))
+    assert info.bytes_fp4_experts == top + layers + 43 * moe_fp4
+    assert info.bytes_fp8 == top + layers + 43 * moe_fp8
+    assert abs(info.bytes_fp4_experts / 2**30 - 145.3) < 0.05
+
+
+def test_v4_flash_cache_bytes_per_token_match_a_hand_count():
+    """Per token of context at 1M tokens: entries grow per token; the window ring and the compressors'
+    partial-window buffers (float) are fixed and spread over the context."""
+    ctx, d, c, w = 1 << 20, 512, 128, 128
+    row = {"bfloat16": 2 * d, "fp8": 448 + 4 * 7 + 2 * 64, "fp4": 448 // 2 + 448 // 32 + 2 * 64}
+    index_row = {"bfloat16": 2 * c, "fp8": c + 4, "fp4": c + 4}  # indexer keys: fp8 once quantized
+    for kv in ("bfloat16", "fp8", "fp4"):
+        csa_fixed = w * row[kv] + 2 * 2 * (4 * 2 * d + 4 * d) + 2 * 2 * (4 * 2 * c + 4 * c)
+        hca_fixed = w * row[kv] + 2 * 2 * 128 * d
+        want = {"compressed_sparse_attention": (ctx // 4 * (row[kv] + index_row[kv]) + csa_fixed) / ctx,
+                "heavily_compressed_attention": (ctx // 128 * row[kv] + hca_fixed) / ctx}
+        got = cache_bytes_per_token(ModelConfig.preset("v4-flash"), ctx, jnp.bfloat16, kv)
+        assert got == pytest.approx(want, rel=1e-12), kv
+    assert row["fp8"] == 604 and row["fp4"] == 366  # vs FlashMLA's 656 and SGLang's 400 for V3's 512+64
+
+
+def test_info_cli_reports_cache_per_kv_dtype(capsys):
+    assert main(["info", "--preset", "v4-flash"]) == 0
+    out = capsys.readouterr().out
+    for kv in ("bfloat16", "fp8", "fp4"):
+        assert f"kv_dtype {kv}" in out
+    assert "fp8+fp4 experts 145.3 GiB" in out

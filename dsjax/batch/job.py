@@ -24,6 +24,7 @@ from dsjax.batch.results import ResultsFile, error_record, success_record
 from dsjax.engine.generate import request_seed
 from dsjax.engine.scheduler import Request, StepTimer, run
 from dsjax.engine.steps import Engine
+from dsjax.quant import KV_DTYPES
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -37,6 +38,8 @@ class JobConfig:
     max_len: int = 4096
     chunk_size: int = 256
     dtype: str = "bfloat16"
+    weights: str = "keep"  # FP8/FP4 checkpoints: "keep" them so on the device, or "bf16": dequantize at load
+    kv_dtype: str | None = None  # cache rows: None (= dtype), "bfloat16", "fp8" or "fp4"
     seed: int = 0
     window: int = 256  # requests read ahead and ordered longest prompt first
     progress: bool = True
@@ -62,6 +65,10 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
 
     if cfg.dtype not in _DTYPES:
         raise JobError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+    if cfg.weights not in ("keep", "bf16"):
+        raise JobError(f"weights must be 'keep' or 'bf16', got {cfg.weights!r}")
+    if cfg.kv_dtype not in (None, *KV_DTYPES):
+        raise JobError(f"kv_dtype must be one of {KV_DTYPES}, got {cfg.kv_dtype!r}")
     if cfg.max_batch < 1 or cfg.max_len < 2 or cfg.chunk_size < 1:
         raise JobError("max_batch and chunk_size must be >= 1 and max_len >= 2")
     check_readable(cfg.input)
@@ -74,10 +81,11 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     timer = StepTimer()
     interrupted = False
     try:
-        model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype])
+        model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights)
         context = min(cfg.max_len, model.cfg.max_position_embeddings)
         recipe = Recipe(tokenizer, context, model.cfg.eos_token_id)
-        engine = Engine(model, num_slots=cfg.max_batch, max_len=context, chunk_size=min(cfg.chunk_size, context))
+        engine = Engine(model, num_slots=cfg.max_batch, max_len=context, chunk_size=min(cfg.chunk_size, context),
+                        kv_dtype=cfg.kv_dtype)
         total = _count_lines(cfg.input)
         bar = tqdm(total=total, disable=not cfg.progress, unit="req", dynamic_ncols=True)
         t_loop = time.perf_counter()

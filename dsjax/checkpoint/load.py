@@ -15,6 +15,7 @@ from dsjax.checkpoint import names
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
+from dsjax.quant import dequantize_fp4, dequantize_fp8, float_to_ue8m0, ue8m0_to_float
 
 @dataclass
 class _Target:
@@ -22,6 +23,11 @@ class _Target:
     repeat: int | None  # index into the stacked layer axis, None for unstacked variables
     hf_shape: tuple[int, ...]
     transposed: bool
+    dtype: np.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -32,23 +38,51 @@ def _targets(model_abs: DeepseekV4, flat: list) -> dict[str, _Target]:
     """HF name → where its value goes in the dsjax state."""
     out = {}
     for path, var in flat:
-        shape = tuple(var.get_value().shape)
+        sds = var.get_value()
+        shape = tuple(sds.shape)
         for hf, repeat in names.hf_names_for(model_abs.groups_meta, path):
             per_layer = shape if repeat is None else shape[1:]
-            transposed = hf.endswith(names.TRANSPOSED_LEAVES)
+            # dsjax holds float experts [E, in, out]; quantized ones keep the checkpoint's [E, out, in].
+            transposed = hf.endswith(names.TRANSPOSED_LEAVES) and jnp.issubdtype(sds.dtype, jnp.floating) \
+                and sds.dtype != jnp.float8_e4m3fn
             hf_shape = (per_layer[0], per_layer[2], per_layer[1]) if transposed else per_layer
-            out[hf] = _Target(path, repeat, hf_shape, transposed)
+            out[hf] = _Target(path, repeat, hf_shape, transposed, np.dtype(sds.dtype))
     return out
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32) -> DeepseekV4:
+def _pair_scales(folder: str):
+    """All tensors as {name: (file, array)} (lazy views) and the FP8/FP4 scales taken out of them, keyed
+    by the name of the weight they scale: `X.scale` (original names) goes with `X.weight`,
+    `Y_scale_inv` (HF names) with `Y`. A `.scale` without its `.weight` (e.g. HF's `attn_hc.scale`) is
+    an ordinary tensor."""
+    tensors = {name: (file, value) for name, file, value in iter_tensors(folder)}
+    scales = {}
+    for name in list(tensors):
+        if name.endswith("_scale_inv"):
+            weight = name[: -len("_scale_inv")]
+        elif name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors:
+            weight = name[: -len("scale")] + "weight"
+        else:
+            continue
+        file, value = tensors.pop(name)
+        if weight not in tensors:
+            raise CheckpointError(f"{file}: scale tensor {name!r} has no weight {weight!r} in the checkpoint")
+        scales[weight] = (name, file, value)
+    return tensors, scales
+
+
+def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep") -> DeepseekV4:
     """Load a DeepSeek-V4 model from a Hugging Face folder (`config.json` + safetensors).
 
     Accepts HF module names, the original DeepSeek names and the hybrid that `save_pretrained()` writes.
-    Weights take `dtype` (float32 or bfloat16) except those the reference keeps in fp32 (norms, mHC,
-    sinks, position biases, the router's correction bias). Unknown, missing or mis-shaped tensors raise
-    a CheckpointError naming the tensor and its file.
+    Float weights take `dtype` (float32 or bfloat16) except those the reference keeps in fp32 (norms, mHC,
+    sinks, position biases, the router's correction bias). A checkpoint with a `quantization_config`
+    (FP8 blocks, FP4 experts) keeps that storage on the device with `weights="keep"`, dequantized layer by
+    layer inside each step; `weights="bf16"` dequantizes it once at load into `dtype` instead. Unknown,
+    missing or mis-shaped tensors raise a CheckpointError naming the tensor and its file.
     """
+    if weights not in ("keep", "bf16"):
+        raise ValueError(f"weights must be 'keep' or 'bf16', got {weights!r}")
     folder = os.fspath(path)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder} is not a folder")
@@ -57,12 +91,10 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32) -> DeepseekV4:
         raise CheckpointError(f"{folder} has no config.json")
     with open(cfg_path) as f:
         raw = json.load(f)
-    if raw.get("quantization_config"):
-        raise CheckpointError(f"{cfg_path} declares a quantization_config: FP8/FP4 checkpoints are not "
-                              "supported by this version of dsjax; dequantize them first")
     if dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dtype must be jnp.float32 or jnp.bfloat16, got {dtype}")
-    cfg = ModelConfig.from_hf(raw)
+    stored = ModelConfig.from_hf(raw)
+    cfg = stored if weights == "keep" else stored.replace(quantization=None)
 
     model_abs = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(model_abs)
@@ -78,12 +110,18 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32) -> DeepseekV4:
             arrays[t.path] = np.zeros(sds.shape, _np_dtype(sds.dtype))
         return arrays[t.path] if t.repeat is None else arrays[t.path][t.repeat]
 
-    for name, file, value in iter_tensors(folder):
+    tensors, scales = _pair_scales(folder)
+    if scales and stored.quantization is None:
+        weight, (name, file, _) = next(iter(scales.items()))
+        raise CheckpointError(f"{file}: {name!r} scales {weight!r}, but {cfg_path} declares no "
+                              "quantization_config")
+    for name, (file, value) in tensors.items():
         hf = names.to_hf(name)
         if hf is None:  # MTP weights: the reference drops them too.
             continue
+        scale = scales.get(name)
         if isinstance(hf, names.ExpertSlice):
-            _put_expert_slice(cfg, name, file, value, hf, targets, dest, filled)
+            _put_expert_slice(stored, name, file, value, scale, hf, targets, dest, filled)
             continue
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the head is the embedding
@@ -93,53 +131,133 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32) -> DeepseekV4:
                                   "DeepSeek-V4 parameter of this config")
         if hf in filled:
             raise CheckpointError(f"{file}: tensor {name!r} duplicates {hf!r} already read")
-        if tuple(value.shape) != t.hf_shape:
-            raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
-                                  f"expected {list(t.hf_shape)} for this config")
-        _check_values(cfg, hf, name, file, value)
-        d = dest(t)
-        d[...] = np.transpose(value, (0, 2, 1)) if t.transposed else value
+        if t.quantized:
+            st = targets[_scale_hf(hf)]
+            _check_shape(file, name, value, t.hf_shape)
+            dest(t)[...] = _stored_weight(file, name, value, scale, t.dtype)
+            _check_shape(scale[1], scale[0], scale[2], st.hf_shape)
+            dest(st)[...] = _stored_scale(scale, st.dtype)
+            filled.add(_scale_hf(hf))
+        else:
+            value = _dense(stored, file, name, value, scale)
+            _check_shape(file, name, value, t.hf_shape)
+            _check_values(cfg, hf, name, file, value)
+            dest(t)[...] = np.transpose(value, (0, 2, 1)) if t.transposed else value
         filled.add(hf)
 
-    expected = set(targets)
     done = {k for k in filled if isinstance(k, str)}
     for hf, t in targets.items():
-        if t.transposed and hf not in done:
-            parts = ("w2",) if hf.endswith("down_proj") else ("w1", "w3")
+        leaf = next((x for x in names.TRANSPOSED_LEAVES if hf.endswith((x, x + "_scale_inv"))), None)
+        if leaf and hf not in done:
+            parts = ("w2",) if leaf.endswith("down_proj") else ("w1", "w3")
             if all((hf, e, p) in filled for e in range(cfg.n_routed_experts) for p in parts):
                 done.add(hf)
-    missing = sorted(expected - done)
+    missing = sorted(set(targets) - done)
     if missing:
         more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
         raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): {missing[:8]}{more}")
 
     for p, arr in arrays.items():
         variables[p].set_value(jnp.asarray(arr))
+        arrays[p] = None  # free the host copy as soon as it is on the device
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _put_expert_slice(cfg, name, file, value, s: names.ExpertSlice, targets, dest, filled) -> None:
+def _scale_hf(hf: str) -> str:
+    return hf + "_scale_inv"
+
+
+def _check_shape(file, name, value, want) -> None:
+    if tuple(value.shape) != tuple(want):
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
+                              f"expected {list(want)} for this config")
+
+
+def _stored_weight(file, name, value, scale, want: np.dtype) -> np.ndarray:
+    """A quantized weight as it is kept: e4m3 bytes, or int8 holding two e2m1 codes."""
+    if scale is None:
+        raise CheckpointError(f"{file}: tensor {name!r} ({value.dtype}) has no scale, but this config keeps "
+                              f"it quantized ({want}); expected {name[:-len('weight')]}scale or a "
+                              "*_scale_inv tensor next to it")
+    if value.dtype == np.uint8 and want == np.int8:
+        value = value.view(np.int8)
+    if value.dtype != want:
+        kind = "FP4 (int8, two e2m1 codes per byte)" if want == np.int8 else "FP8 (float8_e4m3fn)"
+        raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype}, but the quantization_config makes "
+                              f"it {kind}")
+    return value
+
+
+def _stored_scale(scale, want: np.dtype) -> np.ndarray:
+    """Scales in the storage the config asks for: ue8m0 bytes (uint8) or fp32."""
+    name, file, value = scale
+    if value.dtype == np.dtype(ml_dtypes.float8_e8m0fnu):
+        value = value.view(np.uint8)
+    if want == np.uint8 and value.dtype != np.uint8:
+        as_bytes = np.asarray(float_to_ue8m0(value))
+        if not np.array_equal(np.asarray(ue8m0_to_float(as_bytes)), value.astype(np.float32)):
+            raise CheckpointError(f"{file}: scale {name!r} holds values that are not powers of two, but the "
+                                  "quantization_config says scale_fmt 'ue8m0'")
+        return as_bytes
+    if want == np.float32 and value.dtype == np.uint8:
+        return np.asarray(ue8m0_to_float(value))
+    return value.astype(want)
+
+
+def _dense(stored: ModelConfig, file, name, value, scale) -> np.ndarray:
+    """A tensor as fp32 values: quantized weights are dequantized with their scale."""
+    if scale is None:
+        if value.dtype == np.dtype(ml_dtypes.float8_e4m3fn) or (value.dtype == np.int8 and name.endswith("weight")):
+            raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype} but has no scale tensor")
+        return value
+    s = _stored_scale(scale, np.dtype(np.float32))
+    try:
+        if value.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+            return np.asarray(dequantize_fp8(value, s, jnp.float32, tuple(stored.quantization.weight_block_size)))
+        if value.dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
+            return np.asarray(dequantize_fp4(value, s, jnp.float32))
+    except ValueError as e:
+        raise CheckpointError(f"{file}: tensor {name!r} and its scale {scale[0]!r} do not fit: {e}") from None
+    raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype} but has a scale {scale[0]!r}; only FP8 "
+                          "(float8_e4m3fn) and FP4 (int8) weights are scaled")
+
+
+def _put_expert_slice(stored, name, file, value, scale, s: names.ExpertSlice, targets, dest, filled) -> None:
     t = targets.get(s.hf_name)
     if t is None:
         raise CheckpointError(f"{file}: unexpected tensor {name!r}; its layer does not exist in this config")
-    e, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    e, inter, hidden = stored.n_routed_experts, stored.moe_intermediate_size, stored.hidden_size
     if not 0 <= s.expert < e:
         raise CheckpointError(f"{file}: tensor {name!r} names expert {s.expert}, but the config has {e}")
-    want = (hidden, inter) if s.part == "w2" else (inter, hidden)
-    if tuple(value.shape) != want:
-        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, expected {list(want)}")
     key = (s.hf_name, s.expert, s.part)
     if key in filled:
         raise CheckpointError(f"{file}: tensor {name!r} appears twice")
-    d = dest(t)[s.expert]  # [H, 2I] for gate_up, [I, H] for down
-    if s.part == "w1":
-        d[:, :inter] = value.T
-    elif s.part == "w3":
-        d[:, inter:] = value.T
+    if t.quantized:
+        # [2I, in'] / [H, in'] rows as stored; gate_up's rows are [w1 | w3], and so are its scale rows.
+        st = targets[_scale_hf(s.hf_name)]
+        w, sc = dest(t)[s.expert], dest(st)[s.expert]
+        value = _stored_weight(file, name, value, scale, t.dtype)
+        parts = [(w, value, name, file), (sc, _stored_scale(scale, st.dtype), scale[0], scale[1])]
+        block = stored.quantization.weight_block_size[0]
+        if s.part != "w2" and stored.quantization.expert_dtype == "fp8" and inter % block:
+            raise CheckpointError(f"{file}: {name!r}: per-expert FP8 w1/w3 cannot be merged when "
+                                  f"moe_intermediate_size ({inter}) is not a multiple of the {block}-row block")
+        for d, v, n, f in parts:
+            rows = d.shape[0] if s.part == "w2" else d.shape[0] // 2
+            _check_shape(f, n, v, (rows,) + d.shape[1:])
+            d[rows if s.part == "w3" else 0:][:rows] = v
+        filled.add((_scale_hf(s.hf_name), s.expert, s.part))
     else:
-        d[...] = value.T
+        value = _dense(stored, file, name, value, scale)
+        _check_shape(file, name, value, (hidden, inter) if s.part == "w2" else (inter, hidden))
+        d = dest(t)[s.expert]  # [H, 2I] for gate_up, [I, H] for down
+        if s.part == "w1":
+            d[:, :inter] = value.T
+        elif s.part == "w3":
+            d[:, inter:] = value.T
+        else:
+            d[...] = value.T
     filled.add(key)
-
 
 def _check_values(cfg: ModelConfig, hf: str, name: str, file: str, value: np.ndarray) -> None:
     if hf.endswith("mlp.gate.tid2eid"):

@@ -33,19 +33,23 @@ def put_slots(cache: Cache, part: Cache, slots: jax.Array) -> Cache:
 
 class Engine:
     """Compiled steps for one model, `num_slots` sequences of up to `max_len` tokens, prefill chunks of
-    `chunk_size` tokens. `params` are the model's weights (taken once; steps take them as an argument)."""
+    `chunk_size` tokens. `params` are the model's weights (taken once; steps take them as an argument).
+    `cache_dtype` is the cache's float dtype (default: the model's); `kv_dtype` "bfloat16", "fp8" or "fp4"
+    stores its K=V rows that way (`dsjax.cache`)."""
 
-    def __init__(self, model, num_slots: int, max_len: int, chunk_size: int = 64, cache_dtype=None):
+    def __init__(self, model, num_slots: int, max_len: int, chunk_size: int = 64, cache_dtype=None,
+                 kv_dtype: str | None = None):
         if num_slots < 1 or max_len < 1 or chunk_size < 1:
             raise ValueError("num_slots, max_len and chunk_size must be positive")
         self.model = model
         self.cfg = model.cfg
         self.num_slots, self.max_len, self.chunk_size = num_slots, max_len, chunk_size
-        self.cache_dtype = cache_dtype
+        self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
+        init_cache(model, 1, 1, cache_dtype, kv_dtype) if kv_dtype is not None else None  # validates kv_dtype
         self.graphdef, self.params = nnx.split(model)
 
     def new_cache(self) -> Cache:
-        return init_cache(self.model, self.num_slots, self.max_len, self.cache_dtype)
+        return init_cache(self.model, self.num_slots, self.max_len, self.cache_dtype, self.kv_dtype)
 
     @staticmethod
     def compilations() -> int:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.cache import LayerCache
+from dsjax.cache import LayerCache, as_rows, read_rows
 from dsjax.config import CSA, HCA, SLIDING, ModelConfig
 from dsjax.layers.compressor import CSACompressor, HCACompressor
 from dsjax.layers.linear import GroupedLinear, Linear
@@ -50,14 +50,16 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.attention_type = attention_type
         nh, d = cfg.num_attention_heads, cfg.head_dim
-        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, rngs=rngs, dtype=dtype)
+        q = cfg.quantization
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, rngs=rngs, dtype=dtype, quant=q)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = Linear(cfg.q_lora_rank, nh * d, rngs=rngs, dtype=dtype)
-        self.kv_proj = Linear(cfg.hidden_size, d, rngs=rngs, dtype=dtype)
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * d, rngs=rngs, dtype=dtype, quant=q)
+        self.kv_proj = Linear(cfg.hidden_size, d, rngs=rngs, dtype=dtype, quant=q)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.o_a_proj = GroupedLinear(nh * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups,
-                                      rngs=rngs, dtype=dtype)
-        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, rngs=rngs, dtype=dtype)
+                                      rngs=rngs, dtype=dtype, quant=q)
+        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, rngs=rngs, dtype=dtype,
+                               quant=q)
         self.sinks = nnx.Param(jnp.zeros((nh,), jnp.float32))
         compressors = {SLIDING: None, CSA: CSACompressor, HCA: HCACompressor}
         cls = compressors[attention_type]
@@ -101,7 +103,7 @@ class Attention(nnx.Module):
         cos_h, sin_h, q_res_bcr, q_bchd, kv_bcd = self._project_in(x_bch, positions_bc)
 
         ring_pos_bw = _ring_positions(start_b - 1, w)
-        keys_bkd = jnp.concatenate([cache.window.astype(kv_bcd.dtype), kv_bcd], axis=1)
+        keys_bkd = jnp.concatenate([read_rows(cache.window, kv_bcd.dtype), kv_bcd], axis=1)
         key_pos_bk = jnp.concatenate([ring_pos_bw, positions_bc], axis=1)
         key_real_bk = jnp.concatenate([ring_pos_bw >= 0, jnp.arange(c_len)[None, :] < n_valid_b[:, None]], 1)
         visible_bck = window_visible(positions_bc, key_pos_bk, w) & key_real_bk[:, None, :]
@@ -117,8 +119,8 @@ class Attention(nnx.Module):
         new_pos_bw = _ring_positions(start_b + n_valid_b - 1, w)
         from_chunk = new_pos_bw >= start_b[:, None]
         idx = jnp.clip(new_pos_bw - start_b[:, None], 0, c_len - 1)
-        ring = jnp.where(from_chunk[..., None], jnp.take_along_axis(kv_bcd, idx[..., None], axis=1).astype(
-            cache.window.dtype), cache.window)
+        new_rows = as_rows(jnp.take_along_axis(kv_bcd, idx[..., None], axis=1), cache.window)
+        ring = jax.tree.map(lambda new, old: jnp.where(from_chunk[..., None], new, old), new_rows, cache.window)
         return self.project_out(o_bchd, cos_h, sin_h), LayerCache(ring, **states)
 
     def project_out(self, o_bshd, cos_h, sin_h) -> jax.Array:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.cache import CompressorState
+from dsjax.cache import CompressorState, as_rows, read_rows
 from dsjax.config import ModelConfig
 from dsjax.layers.linear import Linear
 from dsjax.layers.norms import RMSNorm
@@ -88,8 +88,8 @@ class Compressor(nnx.Module):
     def append(self, x_bch: jax.Array, state: CompressorState, start_b: jax.Array, n_valid_b: jax.Array):
         """Append C chunk tokens (the first `n_valid` of each row are real) after `start` cached ones.
 
-        Returns all entries `[B, max_len // m, width]` (those of windows completed here written in)
-        and the new state. Positions past a row's real tokens never change it.
+        Returns all entries `[B, max_len // m, width]` (those of windows completed here written in, read
+        back from the cache's storage) and the new state. Positions past a row's real tokens never change it.
         """
         b, c_len, _ = x_bch.shape
         m = self.rate
@@ -118,15 +118,16 @@ class Compressor(nnx.Module):
         end_b = start_b + n_valid_b
         w_idx_bk = w0_b[:, None] + jnp.arange(n_win)[None, :]
         complete_bk = (w_idx_bk + 1) * m <= end_b[:, None]
-        capacity = state.entries.shape[1]
+        capacity = jax.tree.leaves(state.entries)[0].shape[1]
         # Windows that complete get written; the rest are sent out of range and dropped.
         target = jnp.where(complete_bk & (w_idx_bk < capacity), w_idx_bk, capacity)
         rows = jnp.arange(b)[:, None]
-        entries = state.entries.at[rows, target].set(pooled.astype(state.entries.dtype), mode="drop")
+        stored = jax.tree.map(lambda e, p: e.at[rows, target].set(p, mode="drop"), state.entries,
+                              as_rows(pooled, state.entries))
 
         w_end_b = end_b // m
         tail_k = jnp.clip(w_end_b - w0_b, 0, n_win - 1)  # window (within the span) holding the new tail
-        new = dataclasses.replace(state, entries=entries, buffer_kv=_window(kv_bkmn, tail_k),
+        new = dataclasses.replace(state, entries=stored, buffer_kv=_window(kv_bkmn, tail_k),
                                   buffer_gate=_window(gate_bkmn, tail_k))
         if self.overlap:
             last_k = jnp.clip(w_end_b - 1 - w0_b, 0, n_win - 1)
@@ -134,7 +135,7 @@ class Compressor(nnx.Module):
             c = self.width
             new.overlap_kv = jnp.where(moved, _window(kv_bkmn, last_k)[..., :c], state.overlap_kv)
             new.overlap_gate = jnp.where(moved, _window(gate_bkmn, last_k)[..., :c], state.overlap_gate)
-        return entries, new
+        return read_rows(stored, pooled.dtype), new
 
 
 def _window(a_bkmx: jax.Array, k_b: jax.Array) -> jax.Array:

@@ -6,14 +6,27 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.config import ModelConfig
+from dsjax.config import ModelConfig, QuantConfig
 from dsjax.layers.linear import Linear
 from dsjax.layers.numerics import precision
+from dsjax.layers.variables import Buffer
+from dsjax.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8, ue8m0_to_float
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     """`silu(min(gate, limit)) · clip(up, −limit, limit)`: the gate is clamped from above only."""
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def quantize_experts(w_eio: jax.Array, quant: QuantConfig):
+    """Float experts `[..., E, in, out]` → the checkpoint's `[..., E, out, in]` storage (FP8 blocks or
+    packed FP4) and its scales in the config's scale format."""
+    w = jnp.swapaxes(jnp.asarray(w_eio, jnp.float32), -1, -2)
+    if quant.expert_dtype == "fp4":
+        q, s = quantize_fp4(w)
+    else:
+        q, s = quantize_fp8(w, tuple(quant.weight_block_size), quant.scale_fmt)
+    return q, (ue8m0_to_float(s) if s.dtype == jnp.uint8 and quant.scale_fmt == "float" else s)
 
 
 class RoutedExperts(nnx.Module):
@@ -22,13 +35,36 @@ class RoutedExperts(nnx.Module):
 
     `gate_up_proj [E, H, 2I]`: columns [:I] are the gate (w1), [I:] the up projection (w3).
     `down_proj [E, I, H]`.
+
+    A quantized config keeps the checkpoint's `[E, out, in]` storage instead, FP8 blocks or FP4 (int8,
+    two codes per byte along `in`), with `*_scale_inv`; each call dequantizes the layer's experts.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
-        self.gate_up_proj = nnx.Param((0.02 * jax.random.normal(rngs.params(), (e, h, 2 * i))).astype(dtype))
-        self.down_proj = nnx.Param((0.02 * jax.random.normal(rngs.params(), (e, i, h))).astype(dtype))
+        quant = cfg.quantization
+        self.storage = None if quant is None else quant.expert_dtype
+        for name, (d_in, d_out) in (("gate_up_proj", (h, 2 * i)), ("down_proj", (i, h))):
+            w = 0.02 * jax.random.normal(rngs.params(), (e, d_in, d_out))
+            if quant is None:
+                setattr(self, name, nnx.Param(w.astype(dtype)))
+                continue
+            q, s = quantize_experts(w, quant)
+            setattr(self, name, nnx.Param(q))
+            setattr(self, f"{name}_scale_inv", Buffer(s))
+
+    def expert_weights(self, name: str, dtype) -> jax.Array:
+        """`gate_up_proj` or `down_proj` as `[E, in, out]` in `dtype`."""
+        w = getattr(self, name)[...]
+        if self.storage is None:
+            return w.astype(dtype)
+        s = getattr(self, f"{name}_scale_inv")[...]
+        if self.storage == "fp4":
+            w = dequantize_fp4(w, s, dtype)
+        else:
+            w = dequantize_fp8(w, s, dtype, tuple(self.cfg.quantization.weight_block_size))
+        return jnp.swapaxes(w, -1, -2)
 
     def __call__(self, x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array) -> jax.Array:
         """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])`: pairs sorted by expert, two grouped matmuls."""
@@ -40,11 +76,11 @@ class RoutedExperts(nnx.Module):
         order = jnp.argsort(flat_e, stable=True)
         group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
         x_ph = jnp.take(x_nh, order // k, axis=0)
-        gate_up_p = tokamax.ragged_dot(x_ph, self.gate_up_proj[...].astype(x_nh.dtype), group_sizes,
+        gate_up_p = tokamax.ragged_dot(x_ph, self.expert_weights("gate_up_proj", x_nh.dtype), group_sizes,
                                        precision=precision(x_ph), preferred_element_type=x_nh.dtype)
         inter = self.cfg.moe_intermediate_size
         act_p = clamped_swiglu(gate_up_p[:, :inter], gate_up_p[:, inter:], self.cfg.swiglu_limit)
-        y_ph = tokamax.ragged_dot(act_p, self.down_proj[...].astype(x_nh.dtype), group_sizes,
+        y_ph = tokamax.ragged_dot(act_p, self.expert_weights("down_proj", x_nh.dtype), group_sizes,
                                   precision=precision(act_p), preferred_element_type=x_nh.dtype)
         y_ph = y_ph * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
         y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)
@@ -55,11 +91,11 @@ class SharedExpert(nnx.Module):
     """The one always-on MLP of width `moe_intermediate_size` (whatever `n_shared_experts` says)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        h, i, bias = cfg.hidden_size, cfg.moe_intermediate_size, cfg.mlp_bias
+        h, i, bias, q = cfg.hidden_size, cfg.moe_intermediate_size, cfg.mlp_bias, cfg.quantization
         self.limit = cfg.swiglu_limit
-        self.gate_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias)
-        self.up_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias)
-        self.down_proj = Linear(i, h, rngs=rngs, dtype=dtype, bias=bias)
+        self.gate_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias, quant=q)
+        self.up_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias, quant=q)
+        self.down_proj = Linear(i, h, rngs=rngs, dtype=dtype, bias=bias, quant=q)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

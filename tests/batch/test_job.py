@@ -226,3 +226,27 @@ def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp
     assert by_id(recs) == by_id(reference)
     summary = json.load(open(summary_path(out)))
     assert summary["requests_already_done"] == partial and summary["repaired_torn_bytes"] > 0
+
+
+def test_fp8_checkpoint_with_quantized_cache_through_the_cli(tmp_path, tiny_fp8_model_dir, capsys):
+    """`--weights keep` (FP8/FP4 on the device) and `--weights bf16` (dequantized at load) give the same
+    greedy text on an FP8 checkpoint; `--kv-dtype` changes only the cache's storage."""
+    probe = [chat(f"g{i}", [{"role": "user", "content": text}], max_tokens=5, temperature=0,
+                  thinking={"type": "disabled"}) for i, text in enumerate(["Count to three", "Name a color"])]
+    inp = write_jsonl(tmp_path / "in.jsonl", probe)
+    outs = {}
+    for weights, kv in (("keep", "fp8"), ("bf16", "fp8"), ("keep", "fp4")):
+        out = str(tmp_path / f"{weights}-{kv}.jsonl")
+        argv = ["generate", "--model", tiny_fp8_model_dir, "--input", inp, "--output", out, "--max-batch", "2",
+                "--max-len", "256", "--chunk-size", "64", "--dtype", "float32", "--weights", weights,
+                "--kv-dtype", kv, "--quiet"]
+        assert main(argv) == 0, capsys.readouterr().err
+        recs = records(out)
+        assert all(r["error"] is None for r in recs)
+        outs[weights, kv] = by_id(recs)
+        assert json.load(open(summary_path(out)))["config"]["kv_dtype"] == kv
+    assert outs["keep", "fp8"] == outs["bf16", "fp8"]
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", tiny_fp8_model_dir, "--input", inp, "--output", str(tmp_path / "x.jsonl"),
+              "--kv-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

@@ -68,15 +68,6 @@ def test_mtp_tensors_are_ignored(broken, reference):
     assert_close(logits, np.load(reference / "mixed" / "logits_16.npy"), rtol=1e-4)
 
 
-def test_quantized_checkpoints_are_refused_clearly(broken):
-    folder = broken(lambda t: None)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="quantization_config"):
-        dsjax.load_model(folder)
-
-
 def test_missing_folder_and_config(tmp_path):
     with pytest.raises(CheckpointError, match="not a folder"):
         dsjax.load_model(tmp_path / "nope")
