@@ -1,9 +1,12 @@
 """dsjax: DeepSeek-V4 offline batch inference in JAX / Flax NNX."""
 
 from dsjax.checkpoint.load import load_model
-from dsjax.config import ModelConfig
+from dsjax.checkpoint.save import save_model
+from dsjax.config import ModelConfig, QuantConfig
 from dsjax.engine.generate import GenerationResult, generate
 from dsjax.engine.sampling import SamplingParams
 from dsjax.model import DeepseekV4
+from dsjax.quantize import dequantize_model, quantize_model
 
-__all__ = ["DeepseekV4", "GenerationResult", "ModelConfig", "SamplingParams", "generate", "load_model"]
+__all__ = ["DeepseekV4", "GenerationResult", "ModelConfig", "QuantConfig", "SamplingParams", "dequantize_model",
+           "generate", "load_model", "quantize_model", "save_model"]

@@ -9,8 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsjax.quant import (E2M1_VALUES, dequantize_fp4, dequantize_fp8, float_to_ue8m0, quantize_fp4,
-                         quantize_fp8, ue8m0_to_float)
+from dsjax.quant import (E2M1_VALUES, dequantize_fp4, dequantize_fp8, divide_rn, float_to_ue8m0, long_division,
+                         pack_kv,
+                         quantize_fp4, quantize_fp8, ue8m0_to_float)
 from tests.conftest import reference_python
 
 SCRIPT = Path(__file__).parent / "reference" / "run_quant_reference.py"
@@ -117,3 +118,29 @@ def test_every_ue8m0_byte_is_an_exact_power_of_two():
     _same_bits(ue8m0_to_float(b), expected)
     _same_bits(ue8m0_to_float(b.view(ml_dtypes.float8_e8m0fnu)), expected)
     assert np.isnan(np.asarray(ue8m0_to_float(np.asarray([255], np.uint8))))[0]
+
+
+@pytest.mark.parametrize("divide", [divide_rn, long_division])
+def test_division_is_ieee_over_the_whole_exponent_range(divide):
+    """`long_division` is what `divide_rn` runs off the CPU, where XLA's division is approximate."""
+    rng = np.random.default_rng(4)
+    a = np.abs(rng.normal(size=1 << 16) * np.exp(rng.normal(size=1 << 16) * 8)).astype(np.float32)
+    b = np.abs(rng.normal(size=1 << 16) * np.exp(rng.normal(size=1 << 16) * 8)).astype(np.float32)
+    with np.errstate(over="ignore", under="ignore"):
+        for x, y in ((a, b), (np.full_like(b, 448), b), (a, np.full_like(a, 6))):
+            _same_bits(jax.jit(divide)(x, y), x / y)
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs an accelerator")
+def test_quantizers_give_the_cpus_bytes_on_the_accelerator():
+    """XLA:GPU divides fp32 approximately; the quantizers must not inherit that."""
+    rng = np.random.default_rng(5)
+    w = (rng.normal(size=(512, 384)) * np.exp(rng.normal(size=(512, 1)) * 4)).astype(np.float32)
+    cpu = jax.devices("cpu")[0]
+    for fn in (quantize_fp8, lambda x: quantize_fp8(x, scale_fmt="ue8m0"), quantize_fp4,
+               lambda x: pack_kv(x, "fp8", 64), lambda x: pack_kv(x, "fp4", 64)):
+        on_device = jax.tree.leaves(jax.jit(fn)(w))
+        with jax.default_device(cpu):
+            on_cpu = jax.tree.leaves(jax.jit(fn)(w))
+        for d, c in zip(on_device, on_cpu):
+            np.testing.assert_array_equal(np.asarray(d).view(np.uint8), np.asarray(c).view(np.uint8))
