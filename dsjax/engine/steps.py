@@ -17,6 +17,7 @@ from flax import nnx
 
 from dsjax.cache import Cache, init_cache
 from dsjax.engine.sampling import Sampled, SamplingArrays, sample
+from dsjax.quant import KV_DTYPES
 
 
 def take_slots(cache: Cache, slots: jax.Array) -> Cache:
@@ -44,8 +45,9 @@ class Engine:
         self.model = model
         self.cfg = model.cfg
         self.num_slots, self.max_len, self.chunk_size = num_slots, max_len, chunk_size
+        if kv_dtype not in (None, *KV_DTYPES):
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
-        init_cache(model, 1, 1, cache_dtype, kv_dtype) if kv_dtype is not None else None  # validates kv_dtype
         self.graphdef, self.params = nnx.split(model)
 
     def new_cache(self) -> Cache:
