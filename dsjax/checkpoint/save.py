@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -12,30 +13,36 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from dsjax.checkpoint.names import TRANSPOSED_LEAVES, hf_names_for, to_original
+from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 
+Tensors = Iterable[tuple[str, np.ndarray]]
 
-def hf_tensors(model: DeepseekV4):
-    """Yields (HF name, numpy array) for every variable, layers unstacked, float experts back to
-    [E, out, in] (quantized ones are stored that way already), scales as `*_scale_inv`."""
+
+def hf_value(name: str, value: np.ndarray, float_experts: bool) -> np.ndarray:
+    """A dsjax variable as the HF tensor `name`: float experts back to [E, out, in] (quantized ones are
+    stored that way already), ue8m0 scales typed F8_E8M0 as DeepSeek writes them."""
+    if float_experts and name.endswith(TRANSPOSED_LEAVES):
+        value = np.ascontiguousarray(np.transpose(value, (0, 2, 1)))
+    if name.endswith("_scale_inv") and value.dtype == np.uint8:
+        value = value.view(ml_dtypes.float8_e8m0fnu)
+    return value
+
+
+def hf_tensors(model: DeepseekV4) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (HF name, numpy array) for every variable, layers unstacked, scales as `*_scale_inv`."""
     float_experts = model.cfg.quantization is None
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
         value = np.asarray(var.get_value())
         for name, repeat in hf_names_for(model.groups_meta, path):
-            v = value if repeat is None else value[repeat]
-            if float_experts and name.endswith(TRANSPOSED_LEAVES):
-                v = np.ascontiguousarray(np.transpose(v, (0, 2, 1)))
-            if name.endswith("_scale_inv") and v.dtype == np.uint8:
-                v = v.view(ml_dtypes.float8_e8m0fnu)  # ue8m0 bytes, written as F8_E8M0 as DeepSeek does
-            yield name, v
+            yield name, hf_value(name, value if repeat is None else value[repeat], float_experts)
 
 
-def original_tensors(model: DeepseekV4):
-    """Yields (original DeepSeek name, numpy array): per-expert `w1`/`w3`/`w2` `[out, in]`, int64 `tid2eid`,
-    and for quantized weights their scales as `X.scale` next to `X.weight`."""
-    cfg = model.cfg
+def original_names(cfg: ModelConfig, tensors: Tensors) -> Iterator[tuple[str, np.ndarray]]:
+    """HF-named tensors → the original DeepSeek names: per-expert `w1`/`w3`/`w2` `[out, in]`, int64
+    `tid2eid`, and for quantized weights their scales as `X.scale` next to `X.weight`."""
     inter = cfg.moe_intermediate_size
-    for name, value in hf_tensors(model):
+    for name, value in tensors:
         expert_leaf = next((leaf for leaf in TRANSPOSED_LEAVES if name.endswith((leaf, leaf + "_scale_inv"))), None)
         if expert_leaf is not None:
             prefix = f"layers.{name.split('.')[2]}.ffn.experts."
@@ -43,7 +50,7 @@ def original_tensors(model: DeepseekV4):
             # gate_up rows are [w1 | w3]; a scale grid splits at the row block where w3 starts.
             split = inter
             if kind == "scale" and value.shape[1] != 2 * inter:
-                split = _block_split(cfg, inter, value.shape[1])
+                split = _block_split(cfg, inter)
             for e in range(value.shape[0]):
                 if expert_leaf.endswith("down_proj"):
                     yield f"{prefix}{e}.w2.{kind}", value[e]
@@ -56,12 +63,57 @@ def original_tensors(model: DeepseekV4):
             yield to_original(name), value.astype(np.int64) if name.endswith("tid2eid") else value
 
 
-def _block_split(cfg, inter: int, rows: int) -> int:
+def original_tensors(model: DeepseekV4) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (original DeepSeek name, numpy array) for every tensor of `model`."""
+    return original_names(model.cfg, hf_tensors(model))
+
+
+def _block_split(cfg: ModelConfig, inter: int) -> int:
     block = cfg.quantization.weight_block_size[0]
     if inter % block:
         raise ValueError(f"FP8 experts with moe_intermediate_size {inter} (not a multiple of the {block}-row "
                          "block) cannot be split into per-expert w1/w3 tensors; save with naming='hf'")
     return inter // block
+
+
+class ShardWriter:
+    """Writes tensors into safetensors shards of at most `max_shard_bytes` (one tensor may exceed it),
+    holding one shard in memory; `close()` names them `model-0000k-of-0000N` and writes the index."""
+
+    def __init__(self, folder: str | os.PathLike, max_shard_bytes: int = 4 << 30):
+        self.folder = os.fspath(folder)
+        self.max_shard_bytes = max_shard_bytes
+        self.parts: list[list[str]] = []
+        self._pending: dict[str, np.ndarray] = {}
+        self._size = 0
+        os.makedirs(self.folder, exist_ok=True)
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        if self._size and self._size + value.nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = value
+        self._size += value.nbytes
+
+    def _flush(self) -> None:
+        save_file(self._pending, self._part(len(self.parts)), metadata={"format": "pt"})
+        self.parts.append(list(self._pending))
+        self._pending, self._size = {}, 0
+
+    def _part(self, i: int) -> str:
+        return os.path.join(self.folder, f".part-{i:05d}.safetensors")
+
+    def close(self) -> dict[str, str]:
+        """Finish the shards and the index; returns the weight map (tensor name → file)."""
+        if self._pending or not self.parts:
+            self._flush()
+        weight_map = {}
+        for i, names in enumerate(self.parts):
+            fname = f"model-{i + 1:05d}-of-{len(self.parts):05d}.safetensors"
+            os.replace(self._part(i), os.path.join(self.folder, fname))
+            weight_map.update(dict.fromkeys(names, fname))
+        with open(os.path.join(self.folder, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+        return weight_map
 
 
 def save_model(model: DeepseekV4, folder: str | os.PathLike, max_shard_bytes: int = 4 << 30,
@@ -73,22 +125,9 @@ def save_model(model: DeepseekV4, folder: str | os.PathLike, max_shard_bytes: in
     tensors = {"hf": hf_tensors, "original": original_tensors}.get(naming)
     if tensors is None:
         raise ValueError(f"naming must be 'hf' or 'original', got {naming!r}")
-    folder = os.fspath(folder)
-    os.makedirs(folder, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
+    writer = ShardWriter(folder, max_shard_bytes)
     for name, value in tensors(model):
-        if size and size + value.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
-        size += value.nbytes
-    weight_map = {}
-    for i, part in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(part, os.path.join(folder, fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, fname))
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(folder, "config.json"), "w") as f:
+        writer.add(name, value)
+    writer.close()
+    with open(os.path.join(writer.folder, "config.json"), "w") as f:
         json.dump(model.cfg.to_hf(), f, indent=1)

@@ -1,0 +1,89 @@
+"""`write_synthetic`: a random checkpoint in DeepSeek's release format, for tests and benchmarks of the
+real loading path at any size: original tensor names, FP8 (e4m3) linears with ue8m0 block scales, FP4
+routed experts per expert (`ffn.experts.E.w1.weight` int8 + `.scale`), bf16/fp32 where the release keeps
+them, sharded with an index. Tensors are generated one at a time, so memory stays at about one shard.
+
+Values are random but sane: weights of magnitude ~0.02, norms 1, valid hash tables; the logits of such
+a model are finite and meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from dsjax.checkpoint.names import hf_names_for
+from dsjax.checkpoint.save import ShardWriter, hf_value, original_names
+from dsjax.config import ModelConfig, QuantConfig
+from dsjax.layers.decoder_layer import DecoderLayer
+from dsjax.model import DeepseekV4
+from dsjax.quantize import EXPERT_LEAVES, V4_QUANT
+
+_SCALE_BYTE = 127 - 12  # 2^-12: e4m3 codes of magnitude ~64 become weights of ~0.02
+_FP4_SCALE_BYTE = 127 - 8  # 2^-8: e2m1 codes (|c| ≤ 6) become weights up to ~0.02
+
+
+def _values(rng: np.random.Generator, path: tuple, shape: tuple, dtype: np.dtype, n_experts: int) -> np.ndarray:
+    leaf = str(path[-1])
+    if dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+        return (rng.standard_normal(shape, np.float32) * 64).astype(dtype)
+    if dtype == np.uint8:  # ue8m0 block scales
+        return np.full(shape, _SCALE_BYTE, np.uint8)
+    if leaf == "tid2eid":
+        return rng.integers(0, n_experts, shape).astype(dtype)
+    if "norm" in ".".join(map(str, path)) and leaf == "weight":
+        return np.ones(shape, dtype)
+    return (rng.standard_normal(shape, np.float32) * 0.02).astype(dtype)
+
+
+def _expert_tensors(rng, layer: int, cfg: ModelConfig):
+    """One expert at a time, as the release stores them: FP4 `[out, in/2]` int8 + ue8m0 `[out, in/32]`."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    for e in range(cfg.n_routed_experts):
+        for part, (out, k) in (("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter))):
+            prefix = f"layers.{layer}.ffn.experts.{e}.{part}"
+            yield f"{prefix}.weight", rng.integers(-128, 128, (out, k // 2), dtype=np.int8)
+            yield f"{prefix}.scale", np.full((out, k // 32), _FP4_SCALE_BYTE, np.uint8).view(ml_dtypes.float8_e8m0fnu)
+
+
+def write_synthetic(folder: str | os.PathLike, cfg: ModelConfig, max_shard_bytes: int = 4 << 30, seed: int = 0,
+                    quant: QuantConfig = V4_QUANT) -> dict[str, str]:
+    """Write config.json and the sharded tensors of a random `cfg` model to `folder`; returns the weight map.
+
+    Only DeepSeek's release format is made: `quant` must have FP4 experts and ue8m0 scales."""
+    if quant.expert_dtype != "fp4" or quant.scale_fmt != "ue8m0":
+        raise ValueError("synthetic checkpoints use the release format: expert_dtype 'fp4', scale_fmt 'ue8m0'")
+    if cfg.hidden_size % 32 or cfg.moe_intermediate_size % 32:
+        raise ValueError(f"FP4 experts need hidden_size ({cfg.hidden_size}) and moe_intermediate_size "
+                         f"({cfg.moe_intermediate_size}) to be multiples of 32")
+    cfg = cfg.replace(quantization=quant)
+    rng = np.random.default_rng(seed)
+    writer = ShardWriter(folder, max_shard_bytes)
+
+    def put(abstract_state, hf_name):
+        for path, var in nnx.to_flat_state(abstract_state):
+            if str(path[-1]).removesuffix("_scale_inv") in EXPERT_LEAVES:
+                continue
+            sds = var.get_value()
+            hf = hf_name(path)
+            value = hf_value(hf, _values(rng, path, sds.shape, np.dtype(sds.dtype), cfg.n_routed_experts), False)
+            for name, v in original_names(cfg, [(hf, value)]):
+                writer.add(name, v)
+
+    bare = cfg.replace(num_hidden_layers=0, layer_types=(), mlp_layer_types=())
+    top = nnx.eval_shape(lambda: DeepseekV4(bare, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    put(nnx.state(top), lambda path: hf_names_for(top.groups_meta, path)[0][0])
+    for i, (attn, mlp) in enumerate(cfg.layer_kinds):
+        layer = nnx.eval_shape(lambda a=attn, m=mlp: DecoderLayer(cfg, a, m, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+        put(nnx.state(layer), lambda path, i=i: f"model.layers.{i}." + ".".join(map(str, path)))
+        for name, v in _expert_tensors(rng, i, cfg):
+            writer.add(name, v)
+    weight_map = writer.close()
+    with open(os.path.join(writer.folder, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f, indent=1)
+    return weight_map

