@@ -50,6 +50,12 @@ def read_header(path: str) -> tuple[dict[str, TensorRef], int]:
             continue
         begin, end = info["data_offsets"]
         refs[name] = TensorRef(name, path, info["dtype"], tuple(info["shape"]), begin, end)
+    needed = 8 + n + max((r.end for r in refs.values()), default=0)
+    size = os.path.getsize(path)
+    if size < needed:
+        short = sorted(r.name for r in refs.values() if 8 + n + r.end > size)
+        raise CheckpointError(f"{path}: truncated: its header describes {needed:,} bytes but the file has "
+                              f"{size:,}; {len(short)} tensor(s) cut off, e.g. {short[:3]}")
     return refs, 8 + n
 
 

@@ -97,3 +97,12 @@ def test_bfloat16_is_as_accurate_as_the_reference_bfloat16(load_case, reference,
     ours_err, ref_err = np.abs(ours - ref32).mean(), np.abs(ref16 - ref32).mean()
     assert ours_err <= 1.25 * ref_err, (ours_err, ref_err)
     assert np.median(np.abs(ours - ref16)) < 0.02 * np.abs(ref32).max()
+
+
+def test_truncated_shard_is_named(broken):
+    folder = broken(lambda t: None)
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated.*cut off"):
+        dsjax.load_model(folder)
