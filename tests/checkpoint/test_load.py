@@ -106,3 +106,12 @@ def test_truncated_shard_is_named(broken):
     path.write_bytes(data[:-1000])
     with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated.*cut off"):
         dsjax.load_model(folder)
+
+
+def test_missing_shard_named_in_the_index_is_named(broken):
+    folder = broken(lambda t: None)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    weight_map = {"embed.weight": "model-00001-of-00002.safetensors", "head.weight": "model-00002-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"names shard\(s\) that do not exist.*model-00002-of-00002"):
+        dsjax.load_model(folder)
