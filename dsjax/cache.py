@@ -8,9 +8,11 @@ Per layer it holds
 - for CSA layers a second `CompressorState` for the lightning indexer's keys.
 Entry counts are never stored: a slot of length L has exactly L // m entries.
 
+The cache mirrors the model's layer groups (stacked over each group's repeats) so one `lax.scan` walks
+weights and cache.
+
 `kv_dtype` "fp8" or "fp4" stores the window and the compressed entries as `PackedKV` (codes + scales,
-rotary slice bf16) and the indexer's keys as fp8; the partial-window buffers stay in the float dtype. The cache mirrors the
-model's layer groups (stacked over each group's repeats) so one `lax.scan` walks weights and cache.
+rotary slice bf16) and the indexer's keys as fp8; the partial-window buffers stay in the float dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dsjax.config import CSA, HCA, SLIDING, ModelConfig
+from dsjax.config import HCA, SLIDING, ModelConfig
 from dsjax.quant import INDEX_FP8_GROUP, KV_DTYPES, KV_FP8_GROUP, PackedKV, empty_kv, pack_kv, unpack_kv
 
 

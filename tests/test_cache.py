@@ -11,7 +11,7 @@ from dsjax.config import CSA, HCA, SLIDING, ModelConfig
 from dsjax.engine.scoring import _score_step, teacher_forced_logprobs
 from dsjax.engine.steps import Engine
 from dsjax.model import DeepseekV4
-from dsjax.quant import PackedKV, pack_kv, ue8m0_to_float, unpack_kv
+from dsjax.quant import PackedKV, pack_kv, ue8m0_to_float
 from tests.helpers import assert_close
 
 

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 import dsjax
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
