@@ -76,6 +76,12 @@ def _block_split(cfg: ModelConfig, inter: int) -> int:
     return inter // block
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class ShardWriter:
     """Writes tensors into safetensors shards of at most `max_shard_bytes` (one tensor may exceed it),
     holding one shard in memory; `close()` names them `model-0000k-of-0000N` and writes the index."""
@@ -95,7 +101,9 @@ class ShardWriter:
         self._size += value.nbytes
 
     def _flush(self) -> None:
-        save_file(self._pending, self._part(len(self.parts)), metadata={"format": "pt"})
+        path = self._part(len(self.parts))
+        save_file(self._pending, path, metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~_umask())  # safetensors creates files 0600 whatever the umask
         self.parts.append(list(self._pending))
         self._pending, self._size = {}, 0
 

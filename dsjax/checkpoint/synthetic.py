@@ -26,6 +26,7 @@ from dsjax.quantize import EXPERT_LEAVES, V4_QUANT
 
 _SCALE_BYTE = 127 - 12  # 2^-12: e4m3 codes of magnitude ~64 become weights of ~0.02
 _FP4_SCALE_BYTE = 127 - 8  # 2^-8: e2m1 codes (|c| ≤ 6) become weights up to ~0.02
+_CHUNK = 1 << 24
 
 
 def _values(rng: np.random.Generator, path: tuple, shape: tuple, dtype: np.dtype, n_experts: int) -> np.ndarray:
@@ -38,7 +39,12 @@ def _values(rng: np.random.Generator, path: tuple, shape: tuple, dtype: np.dtype
         return rng.integers(0, n_experts, shape).astype(dtype)
     if "norm" in ".".join(map(str, path)) and leaf == "weight":
         return np.ones(shape, dtype)
-    return (rng.standard_normal(shape, np.float32) * 0.02).astype(dtype)
+    out = np.empty(shape, dtype)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, _CHUNK):  # bounded fp32 temporaries (the embedding is 0.5G values)
+        n = min(_CHUNK, flat.size - start)
+        flat[start:start + n] = rng.standard_normal(n, np.float32) * 0.02
+    return out
 
 
 def _expert_tensors(rng, layer: int, cfg: ModelConfig):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def test_shards_are_bounded_and_the_model_loads(tmp_path):
     shards = sorted(set(index.values()))
     assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".part")]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {stat.S_IMODE(os.stat(tmp_path / s).st_mode) for s in shards} == {0o666 & ~mask}  # not safetensors' 0600
     for shard in shards:
         refs, _ = read_header(str(tmp_path / shard))
         biggest = max(r.end - r.begin for r in refs.values())
