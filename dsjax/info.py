@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsjax.config import ModelConfig, QuantConfig
+from dsjax.config import ModelConfig
 from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.model import DeepseekV4
+from dsjax.quantize import V4_QUANT
 
 COMPONENTS = ("embedding", "attention", "compressor", "indexer", "mhc", "norms", "router",
               "routed_experts", "shared_expert", "head")
 # The stored formats `model_info` sizes: DeepSeek's FP8 release format with FP8 or FP4 routed experts.
-FP8_STORAGE = QuantConfig(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp8")
-FP4_EXPERT_STORAGE = QuantConfig(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
+FP8_STORAGE = replace(V4_QUANT, expert_dtype="fp8")
 
 
 def component(path: str) -> str:
@@ -95,7 +95,7 @@ def model_info(cfg: ModelConfig) -> ModelInfo:
         info.active += copies * (n - (round(n * frac_inactive) if comp == "routed_experts" else 0))
     info.bytes_bf16 = _bytes(float_cfg)
     info.bytes_fp8 = _bytes(cfg.replace(quantization=FP8_STORAGE))
-    info.bytes_fp4_experts = _bytes(cfg.replace(quantization=FP4_EXPERT_STORAGE))
+    info.bytes_fp4_experts = _bytes(cfg.replace(quantization=V4_QUANT))
     return info
 
 

@@ -17,6 +17,9 @@ from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 from dsjax.quant import dequantize_fp4, dequantize_fp8, float_to_ue8m0, ue8m0_to_float
 
+_QUANTIZED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))  # FP8 weights, packed FP4 experts
+
+
 @dataclass
 class _Target:
     path: tuple
@@ -27,7 +30,7 @@ class _Target:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))
+        return self.dtype in _QUANTIZED
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -43,8 +46,7 @@ def _targets(model_abs: DeepseekV4, flat: list) -> dict[str, _Target]:
         for hf, repeat in names.hf_names_for(model_abs.groups_meta, path):
             per_layer = shape if repeat is None else shape[1:]
             # dsjax holds float experts [E, in, out]; quantized ones keep the checkpoint's [E, out, in].
-            transposed = hf.endswith(names.TRANSPOSED_LEAVES) and jnp.issubdtype(sds.dtype, jnp.floating) \
-                and sds.dtype != jnp.float8_e4m3fn
+            transposed = hf.endswith(names.TRANSPOSED_LEAVES) and np.dtype(sds.dtype) not in _QUANTIZED
             hf_shape = (per_layer[0], per_layer[2], per_layer[1]) if transposed else per_layer
             out[hf] = _Target(path, repeat, hf_shape, transposed, np.dtype(sds.dtype))
     return out
