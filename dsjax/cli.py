@@ -63,6 +63,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from dsjax.checkpoint.convert import convert, to_hf
+    from dsjax.parallel.mesh import parse_mesh
+
+    shard = int(args.shard_mb * 1e6) if args.shard_mb else None
+    try:
+        if args.to_hf:
+            if args.weights != "keep" or args.mesh or args.verify:
+                raise ValueError("--weights, --mesh and --verify apply to conversion into dsjax's layout, "
+                                 "not to --to-hf")
+            s = to_hf(args.src, args.dst, max_shard_bytes=shard, progress=not args.quiet)
+        else:
+            if shard:
+                raise ValueError("--shard-mb sets the size of the safetensors shards --to-hf writes")
+            ep = parse_mesh(args.mesh)["ep"] if args.mesh else 1
+            s = convert(args.src, args.dst, weights=args.weights, ep=ep, verify=args.verify,
+                        progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.dst} was not created; re-run the same command to resume", file=sys.stderr)
+        return 130
+    print(f"{args.dst}: {s}")
+    return 0
+
+
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--input", help="requests, JSONL in the OpenAI Batch format")
@@ -98,6 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
                      "model and print a few responses (--output optional)")
     add_generate_args(gen)
     gen.set_defaults(func=_generate)
+    conv = sub.add_parser("convert", help="a DeepSeek-V4 safetensors checkpoint → dsjax's sharded Orbax layout "
+                          "(or back with --to-hf)", description="Convert SRC (config.json, safetensors shards "
+                          "in any naming, index, tokenizer files) into an Orbax checkpoint at DST laid out for "
+                          "dsjax. Streams with bounded memory; DST appears only when complete; an interrupted "
+                          "run resumes when re-run with the same arguments. See docs/convert.md.")
+    conv.add_argument("src", help="checkpoint folder to read")
+    conv.add_argument("dst", help="folder to create (must not exist)")
+    conv.add_argument("--weights", default="keep", choices=["keep", "bf16"],
+                      help="keep FP8/FP4 weights as stored (keep), or dequantize them into bf16")
+    conv.add_argument("--mesh", help="target mesh, e.g. 'dp=2,ep=4': routed experts are stored in blocks "
+                      "that each expert-parallel device reads whole")
+    conv.add_argument("--verify", action="store_true",
+                      help="before finishing, re-read every array and compare its sha256 with the source's")
+    conv.add_argument("--to-hf", action="store_true",
+                      help="the reverse: SRC is a converted checkpoint, DST gets safetensors shards with "
+                      "DeepSeek's original names and an index")
+    conv.add_argument("--shard-mb", type=float, help="--to-hf: shard size in MB (default 4096)")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=_convert)
     return parser
 
 

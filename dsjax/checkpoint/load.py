@@ -21,10 +21,14 @@ _QUANTIZED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))  # FP8 weigh
 
 
 @dataclass
-class _Target:
+class Target:
+    """Where the checkpoint tensor `hf` goes in the dsjax state."""
+
+    hf: str
     path: tuple
     repeat: int | None  # index into the stacked layer axis, None for unstacked variables
-    hf_shape: tuple[int, ...]
+    shape: tuple[int, ...]  # one layer's slice of the dsjax variable
+    hf_shape: tuple[int, ...]  # the same in the checkpoint's orientation
     transposed: bool
     dtype: np.dtype
 
@@ -37,7 +41,7 @@ def _np_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
 
-def _targets(model_abs: DeepseekV4, flat: list) -> dict[str, _Target]:
+def targets_of(model_abs: DeepseekV4, flat: list) -> dict[str, Target]:
     """HF name → where its value goes in the dsjax state."""
     out = {}
     for path, var in flat:
@@ -48,16 +52,16 @@ def _targets(model_abs: DeepseekV4, flat: list) -> dict[str, _Target]:
             # dsjax holds float experts [E, in, out]; quantized ones keep the checkpoint's [E, out, in].
             transposed = hf.endswith(names.TRANSPOSED_LEAVES) and np.dtype(sds.dtype) not in _QUANTIZED
             hf_shape = (per_layer[0], per_layer[2], per_layer[1]) if transposed else per_layer
-            out[hf] = _Target(path, repeat, hf_shape, transposed, np.dtype(sds.dtype))
+            out[hf] = Target(hf, path, repeat, per_layer, hf_shape, transposed, np.dtype(sds.dtype))
     return out
 
 
-def _pair_scales(folder: str):
-    """All tensors as {name: (file, array)} (lazy views) and the FP8/FP4 scales taken out of them, keyed
-    by the name of the weight they scale: `X.scale` (original names) goes with `X.weight`,
+def pair_scales(tensors: dict):
+    """{name: (file, x)} → (the same without scales, {weight name: (scale name, file, x)}): the FP8/FP4
+    scales, keyed by the weight they scale: `X.scale` (original names) goes with `X.weight`,
     `Y_scale_inv` (HF names) with `Y`. A `.scale` without its `.weight` (e.g. HF's `attn_hc.scale`) is
-    an ordinary tensor."""
-    tensors = {name: (file, value) for name, file, value in iter_tensors(folder)}
+    an ordinary tensor. `x` is a lazy array or a header entry; only names are looked at."""
+    tensors = dict(tensors)
     scales = {}
     for name in list(tensors):
         if name.endswith("_scale_inv"):
@@ -73,7 +77,7 @@ def _pair_scales(folder: str):
     return tensors, scales
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep") -> DeepseekV4:
+def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep", mesh=None) -> DeepseekV4:
     """Load a DeepSeek-V4 model from a Hugging Face folder (`config.json` + safetensors).
 
     Accepts HF module names, the original DeepSeek names and the hybrid that `save_pretrained()` writes.
@@ -81,7 +85,10 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     sinks, position biases, the router's correction bias). A checkpoint with a `quantization_config`
     (FP8 blocks, FP4 experts) keeps that storage on the device with `weights="keep"`, dequantized layer by
     layer inside each step; `weights="bf16"` dequantizes it once at load into `dtype` instead. Unknown,
-    missing or mis-shaped tensors raise a CheckpointError naming the tensor and its file.
+    missing or mis-shaped tensors raise a CheckpointError naming the tensor and its file. A folder made
+    by `dsjax convert` (Orbax) is read layer by layer straight onto the devices: onto `mesh` (a
+    jax Mesh with axes dp/ep/tp, or a spec such as "ep=8", see `dsjax.parallel`) each device receiving only
+    its slice of each array; safetensors folders load onto one device (`mesh` must be None).
     """
     if weights not in ("keep", "bf16"):
         raise ValueError(f"weights must be 'keep' or 'bf16', got {weights!r}")
@@ -91,10 +98,20 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"{folder} has no config.json")
-    with open(cfg_path) as f:
-        raw = json.load(f)
     if dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dtype must be jnp.float32 or jnp.bfloat16, got {dtype}")
+    from dsjax.checkpoint import converted  # imports this module
+
+    if isinstance(mesh, str):
+        from dsjax.parallel.mesh import make_mesh
+
+        mesh = make_mesh(mesh)
+    if converted.is_converted(folder):
+        return converted.load_converted(folder, dtype, weights, mesh)
+    if mesh is not None:
+        raise ValueError(f"{folder} is a safetensors checkpoint: convert it (dsjax convert) to load it onto a mesh")
+    with open(cfg_path) as f:
+        raw = json.load(f)
     stored = ModelConfig.from_hf(raw)
     cfg = stored if weights == "keep" else stored.replace(quantization=None)
 
@@ -102,67 +119,102 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     graphdef, state = nnx.split(model_abs)
     flat = list(nnx.to_flat_state(state))
     variables = dict(flat)
-    targets = _targets(model_abs, flat)
+    targets = targets_of(model_abs, flat)
     arrays: dict[tuple, np.ndarray] = {}
     filled: set = set()
 
-    def dest(t: _Target) -> np.ndarray:
+    def dest(t: Target, _source_dtype) -> np.ndarray:
         if t.path not in arrays:
             sds = variables[t.path].get_value()
             arrays[t.path] = np.zeros(sds.shape, _np_dtype(sds.dtype))
         return arrays[t.path] if t.repeat is None else arrays[t.path][t.repeat]
 
-    tensors, scales = _pair_scales(folder)
-    if scales and stored.quantization is None:
-        weight, (name, file, _) = next(iter(scales.items()))
-        raise CheckpointError(f"{file}: {name!r} scales {weight!r}, but {cfg_path} declares no "
-                              "quantization_config")
+    tensors, scales = pair_scales({name: (file, value) for name, file, value in iter_tensors(folder)})
+    check_scales_declared(stored, scales, cfg_path)
     for name, (file, value) in tensors.items():
-        hf = names.to_hf(name)
-        if hf is None:  # MTP weights: the reference drops them too.
-            continue
-        scale = scales.get(name)
-        if isinstance(hf, names.ExpertSlice):
-            _put_expert_slice(stored, name, file, value, scale, hf, targets, dest, filled)
-            continue
-        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # tied: the head is the embedding
-        t = targets.get(hf)
-        if t is None:
-            raise CheckpointError(f"{file}: unexpected tensor {name!r} (read as {hf!r}); it belongs to no "
-                                  "DeepSeek-V4 parameter of this config")
-        if hf in filled:
-            raise CheckpointError(f"{file}: tensor {name!r} duplicates {hf!r} already read")
-        if t.quantized:
-            st = targets[_scale_hf(hf)]
-            _check_shape(file, name, value, t.hf_shape)
-            dest(t)[...] = _stored_weight(file, name, value, scale, t.dtype)
-            _check_shape(scale[1], scale[0], scale[2], st.hf_shape)
-            dest(st)[...] = _stored_scale(scale, st.dtype)
-            filled.add(_scale_hf(hf))
-        else:
-            value = _dense(stored, file, name, value, scale)
-            _check_shape(file, name, value, t.hf_shape)
-            _check_values(cfg, hf, name, file, value)
-            dest(t)[...] = np.transpose(value, (0, 2, 1)) if t.transposed else value
-        filled.add(hf)
+        place(stored, cfg, name, file, value, scales.get(name), targets, dest, filled)
 
-    done = {k for k in filled if isinstance(k, str)}
-    for hf, t in targets.items():
-        leaf = next((x for x in names.TRANSPOSED_LEAVES if hf.endswith((x, x + "_scale_inv"))), None)
-        if leaf and hf not in done:
-            parts = ("w2",) if leaf.endswith("down_proj") else ("w1", "w3")
-            if all((hf, e, p) in filled for e in range(cfg.n_routed_experts) for p in parts):
-                done.add(hf)
-    missing = sorted(set(targets) - done)
-    if missing:
-        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): {missing[:8]}{more}")
+    check_complete(folder, cfg, targets, filled)
 
     for p, arr in arrays.items():
         variables[p].set_value(jnp.asarray(arr))
         arrays[p] = None  # free the host copy as soon as it is on the device
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def check_scales_declared(stored: ModelConfig, scales: dict, cfg_path: str) -> None:
+    """Scale tensors need a `quantization_config` that says how to read them."""
+    if scales and stored.quantization is None:
+        weight, (name, file, _) = next(iter(scales.items()))
+        raise CheckpointError(f"{file}: {name!r} scales {weight!r}, but {cfg_path} declares no "
+                              "quantization_config")
+
+
+def check_complete(folder: str, cfg: ModelConfig, targets: dict, filled: set) -> None:
+    """Raise naming the tensors `filled` lacks, in HF and original names (per expert where the checkpoint
+    has per-expert tensors)."""
+    done = {k for k in filled if isinstance(k, str)}
+    missing = []
+    for hf in sorted(set(targets) - done):
+        leaf = next((x for x in names.TRANSPOSED_LEAVES if hf.endswith((x, x + "_scale_inv"))), None)
+        parts = ("w2",) if leaf and leaf.endswith("down_proj") else ("w1", "w3")
+        absent = [(e, p) for e in range(cfg.n_routed_experts) for p in parts if (hf, e, p) not in filled]
+        if not leaf or len(absent) == cfg.n_routed_experts * len(parts):
+            missing.append(f"{hf} ({_original_name(hf)})")
+        elif absent:
+            kind = "scale" if hf.endswith("_scale_inv") else "weight"
+            layer = hf.split(".")[2]
+            missing += [f"layers.{layer}.ffn.experts.{e}.{p}.{kind}" for e, p in absent]
+    if missing:
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:8])}{more}")
+
+
+def _original_name(hf: str) -> str:
+    if hf.endswith(names.TRANSPOSED_LEAVES + tuple(x + "_scale_inv" for x in names.TRANSPOSED_LEAVES)):
+        return f"layers.{hf.split('.')[2]}.ffn.experts.*"
+    if hf.endswith(".weight_scale_inv"):
+        return names.to_original(hf[: -len("_scale_inv")])[: -len("weight")] + "scale"
+    return names.to_original(hf)
+
+
+def place(stored: ModelConfig, cfg: ModelConfig, name: str, file: str, value: np.ndarray, scale, targets: dict,
+          dest, filled: set) -> None:
+    """Check one checkpoint tensor (with its scale, if quantized) and write it where it belongs.
+
+    `dest(target, source_dtype)` gives the array to fill (per layer; the merged experts indexable by expert);
+    `filled` collects what has been written: HF names, and (HF name, expert, part) for per-expert tensors.
+    `stored` is the config the checkpoint declares, `cfg` the one being built (no quantization for bf16).
+    """
+    hf = names.to_hf(name)
+    if hf is None:  # MTP weights: the reference drops them too.
+        return
+    if isinstance(hf, names.ExpertSlice):
+        _put_expert_slice(stored, name, file, value, scale, hf, targets, dest, filled)
+        return
+    if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+        return  # tied: the head is the embedding
+    t = targets.get(hf)
+    if t is None:
+        raise CheckpointError(f"{file}: unexpected tensor {name!r} (read as {hf!r}); it belongs to no "
+                              "DeepSeek-V4 parameter of this config")
+    if hf in filled:
+        raise CheckpointError(f"{file}: tensor {name!r} duplicates {hf!r} already read")
+    if t.quantized:
+        st = targets[_scale_hf(hf)]
+        _check_shape(file, name, value, t.hf_shape)
+        dest(t, value.dtype)[...] = _stored_weight(file, name, value, scale, t.dtype)
+        _check_shape(scale[1], scale[0], scale[2], st.hf_shape)
+        dest(st, scale[2].dtype)[...] = _stored_scale(scale, st.dtype)
+        filled.add(_scale_hf(hf))
+    else:
+        source_dtype = value.dtype
+        value = _dense(stored, file, name, value, scale)
+        _check_shape(file, name, value, t.hf_shape)
+        _check_kind(file, name, value, t.dtype)
+        _check_values(cfg, hf, name, file, value)
+        dest(t, source_dtype)[...] = np.transpose(value, (0, 2, 1)) if t.transposed else value
+    filled.add(hf)
 
 
 def _scale_hf(hf: str) -> str:
@@ -173,6 +225,18 @@ def _check_shape(file, name, value, want) -> None:
     if tuple(value.shape) != tuple(want):
         raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
                               f"expected {list(want)} for this config")
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def _check_kind(file, name, value, want: np.dtype) -> None:
+    """Float parameters take float tensors, integer tables integer ones (any width)."""
+    if _is_float(value.dtype) != _is_float(want) or (not _is_float(want) and value.dtype.kind not in "iu"):
+        kind = "a float" if _is_float(want) else "an integer"
+        raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype}, but the parameter it fills holds {kind} "
+                              "type")
 
 
 def _stored_weight(file, name, value, scale, want: np.dtype) -> np.ndarray:
@@ -237,7 +301,7 @@ def _put_expert_slice(stored, name, file, value, scale, s: names.ExpertSlice, ta
     if t.quantized:
         # [2I, in'] / [H, in'] rows as stored; gate_up's rows are [w1 | w3], and so are its scale rows.
         st = targets[_scale_hf(s.hf_name)]
-        w, sc = dest(t)[s.expert], dest(st)[s.expert]
+        w, sc = dest(t, value.dtype)[s.expert], dest(st, scale[2].dtype)[s.expert]
         value = _stored_weight(file, name, value, scale, t.dtype)
         parts = [(w, value, name, file), (sc, _stored_scale(scale, st.dtype), scale[0], scale[1])]
         block = stored.quantization.weight_block_size[0]
@@ -250,9 +314,10 @@ def _put_expert_slice(stored, name, file, value, scale, s: names.ExpertSlice, ta
             d[rows if s.part == "w3" else 0:][:rows] = v
         filled.add((_scale_hf(s.hf_name), s.expert, s.part))
     else:
+        source_dtype = value.dtype
         value = _dense(stored, file, name, value, scale)
         _check_shape(file, name, value, (hidden, inter) if s.part == "w2" else (inter, hidden))
-        d = dest(t)[s.expert]  # [H, 2I] for gate_up, [I, H] for down
+        d = dest(t, source_dtype)[s.expert]  # [H, 2I] for gate_up, [I, H] for down
         if s.part == "w1":
             d[:, :inter] = value.T
         elif s.part == "w3":

@@ -59,7 +59,8 @@ def read_header(path: str) -> tuple[dict[str, TensorRef], int]:
     return refs, 8 + n
 
 
-def read_tensor(ref: TensorRef, data_start: int) -> np.ndarray:
+def tensor_dtype(ref: TensorRef) -> np.dtype:
+    """The numpy dtype of a header entry, checked against its byte size."""
     if ref.dtype not in DTYPES:
         raise CheckpointError(f"{ref.file}: tensor {ref.name} has unsupported dtype {ref.dtype}")
     dtype = np.dtype(DTYPES[ref.dtype])
@@ -67,6 +68,12 @@ def read_tensor(ref: TensorRef, data_start: int) -> np.ndarray:
     if ref.end - ref.begin != count * dtype.itemsize:
         raise CheckpointError(f"{ref.file}: tensor {ref.name} has {ref.end - ref.begin} bytes, "
                               f"expected {count * dtype.itemsize} for {ref.dtype}{list(ref.shape)}")
+    return dtype
+
+
+def read_tensor(ref: TensorRef, data_start: int) -> np.ndarray:
+    """A zero-copy view of the tensor in a memory map of its file (unmapped when the view is dropped)."""
+    dtype = tensor_dtype(ref)
     mm = np.memmap(ref.file, dtype=np.uint8, mode="r")
     return mm[data_start + ref.begin:data_start + ref.end].view(dtype).reshape(ref.shape)
 

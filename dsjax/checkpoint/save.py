@@ -38,9 +38,10 @@ def hf_tensors(model: DeepseekV4) -> Iterator[tuple[str, np.ndarray]]:
             yield name, hf_value(name, value if repeat is None else value[repeat], float_experts)
 
 
-def original_names(cfg: ModelConfig, tensors: Tensors) -> Iterator[tuple[str, np.ndarray]]:
+def original_names(cfg: ModelConfig, tensors: Tensors, first_expert: int = 0) -> Iterator[tuple[str, np.ndarray]]:
     """HF-named tensors → the original DeepSeek names: per-expert `w1`/`w3`/`w2` `[out, in]`, int64
-    `tid2eid`, and for quantized weights their scales as `X.scale` next to `X.weight`."""
+    `tid2eid`, and for quantized weights their scales as `X.scale` next to `X.weight`. Merged expert
+    tensors may be a block of experts starting at `first_expert`."""
     inter = cfg.moe_intermediate_size
     for name, value in tensors:
         expert_leaf = next((leaf for leaf in TRANSPOSED_LEAVES if name.endswith((leaf, leaf + "_scale_inv"))), None)
@@ -51,12 +52,13 @@ def original_names(cfg: ModelConfig, tensors: Tensors) -> Iterator[tuple[str, np
             split = inter
             if kind == "scale" and value.shape[1] != 2 * inter:
                 split = _block_split(cfg, inter)
-            for e in range(value.shape[0]):
+            for i in range(value.shape[0]):
+                e = first_expert + i
                 if expert_leaf.endswith("down_proj"):
-                    yield f"{prefix}{e}.w2.{kind}", value[e]
+                    yield f"{prefix}{e}.w2.{kind}", value[i]
                 else:
-                    yield f"{prefix}{e}.w1.{kind}", np.ascontiguousarray(value[e, :split])
-                    yield f"{prefix}{e}.w3.{kind}", np.ascontiguousarray(value[e, split:])
+                    yield f"{prefix}{e}.w1.{kind}", np.ascontiguousarray(value[i, :split])
+                    yield f"{prefix}{e}.w3.{kind}", np.ascontiguousarray(value[i, split:])
         elif name.endswith(".weight_scale_inv"):
             yield to_original(name[: -len("_scale_inv")])[: -len("weight")] + "scale", value
         else:

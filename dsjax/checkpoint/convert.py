@@ -1,0 +1,557 @@
+"""`convert`: a DeepSeek-V4 safetensors folder (any naming load_model accepts) → a dsjax Orbax checkpoint
+(layout in converted.py), and `to_hf`: the way back to original-name safetensors shards.
+
+The conversion first checks every header against the config (names, shapes, dtypes, scales, the index,
+file sizes), so a bad checkpoint fails in seconds and before anything is written. It then streams:
+tensors are read one at a time from memory maps, placed into arrays of the converted layout, and each
+array is handed to an Orbax partial save as soon as it is complete; a journal next to the work folder
+records what is saved, so a killed run re-run with the same arguments reads only what is still missing.
+Everything happens in `DST.partial`; the result is renamed to DST only once complete (and verified,
+with `verify=True`), so DST never exists half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from orbax.checkpoint import v1 as ocp
+from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import PartialSaveReplacementError
+
+from dsjax.checkpoint import converted as layout
+from dsjax.checkpoint.load import (Target, check_complete, check_scales_declared, pair_scales, place,
+                                   targets_of)
+from dsjax.checkpoint.safetensors_io import (CheckpointError, TensorRef, checkpoint_files, read_header,
+                                             read_tensor, tensor_dtype)
+from dsjax.checkpoint.save import ShardWriter, hf_value, original_names
+from dsjax.config import ModelConfig
+from dsjax.model import DeepseekV4
+
+_BLOCK_BYTES = 256 << 20  # experts per block: as many as fit this (the unit an EP device reads)
+_FLUSH_BYTES = 256 << 20  # finished arrays are saved together once they add up to this
+_QUANTIZED_SOURCE = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8), np.dtype(np.uint8))
+_WEIGHT_FILES = ("model.safetensors.index.json", "config.json")
+
+
+@dataclass(frozen=True)
+class Item:
+    """A source tensor, its scale if it has one, and the arrays of the converted layout it writes."""
+
+    name: str
+    ref: TensorRef
+    start: int
+    scale: tuple[TensorRef, int] | None
+    pieces: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ref.end - self.ref.begin + (self.scale[0].end - self.scale[0].begin if self.scale else 0)
+
+
+@dataclass
+class Plan:
+    """Everything known before reading a byte of tensor data."""
+
+    src: str
+    raw_config: dict
+    stored: ModelConfig  # as the source declares it
+    cfg: ModelConfig  # as converted (no quantization for weights="bf16")
+    weights: str
+    expert_block: int
+    targets: dict[str, Target]
+    items: list[Item]
+    pieces: dict[str, layout.Piece]
+    dropped: list[str] = field(default_factory=list)  # MTP weights (unused, as by the reference)
+
+
+class _Sink:
+    """Stands in for an array while planning: has a shape and dtype, ignores writes."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+    def __getitem__(self, key):
+        return _Sink(np.broadcast_to(np.zeros((), bool), self.shape)[key].shape, self.dtype)
+
+    def __setitem__(self, key, value):
+        pass
+
+
+class _Store:
+    """The `dest` of `place()`: the arrays of the converted layout, allocated as tensors arrive. While
+    planning (`plan` None) it records each array's shape and dtype; converting, it allocates them as
+    planned."""
+
+    def __init__(self, block: int, plan: Plan | None = None):
+        self.block, self.plan = block, plan
+        self.arrays: dict[str, np.ndarray | _Sink] = {}
+        self.touched: set[str] = set()
+        self.context = ("", "")  # (tensor, file) being placed, for error messages
+
+    def __call__(self, t: Target, source_dtype):
+        if layout.is_expert(t.hf):
+            return _Blocks(self, t, source_dtype)
+        return self.array(t.hf, t, t.shape, source_dtype)
+
+    def array(self, key: str, t: Target, shape, source_dtype):
+        self.touched.add(key)
+        if key in self.arrays:
+            a = self.arrays[key]
+            if self.plan is None and a.dtype != _stored_dtype(t, source_dtype):
+                name, file = self.context
+                raise CheckpointError(f"{file}: tensor {name!r} is {source_dtype}, but other tensors of "
+                                      f"{t.hf!r} are {a.dtype}")
+            return a
+        if self.plan is None:
+            a = _Sink(shape, _stored_dtype(t, source_dtype))
+        else:
+            p = self.plan.pieces[key]
+            a = np.empty(p.shape, p.dtype)
+        self.arrays[key] = a
+        return a
+
+
+class _Blocks:
+    """A merged expert tensor as blocks of `block` experts: `[e]` is expert e's slab, `[...] =` fills all."""
+
+    def __init__(self, store: _Store, t: Target, source_dtype):
+        self.store, self.t, self.source_dtype = store, t, source_dtype
+        self.shape = t.shape
+
+    def _block(self, first: int):
+        shape = (self.store.block,) + self.t.shape[1:]
+        return self.store.array(layout.piece_key(self.t.hf, first), self.t, shape, self.source_dtype)
+
+    def __getitem__(self, e: int):
+        b = self.store.block
+        return self._block(e - e % b)[e % b]
+
+    def __setitem__(self, key, value):
+        if key is not Ellipsis:
+            raise TypeError("a merged expert tensor is written whole or one expert at a time")
+        for first in range(0, self.t.shape[0], self.store.block):
+            self._block(first)[...] = value[first:first + self.store.block]
+
+
+def _stored_dtype(t: Target, source_dtype) -> np.dtype:
+    """Quantized storage as the config says; everything else as the source has it (lossless)."""
+    return t.dtype if t.quantized or t.hf.endswith("_scale_inv") else np.dtype(source_dtype)
+
+
+def _fake(ref: TensorRef) -> np.ndarray:
+    """A zero-stride array with the tensor's dtype and shape: enough for every check `place()` makes
+    from headers (ones are valid FP8 values and power-of-two scales; zero is a valid expert id)."""
+    dtype = tensor_dtype(ref)
+    one = np.zeros((), dtype) if dtype.kind in "iu" and ref.name.endswith("tid2eid") else np.ones((), dtype)
+    return np.broadcast_to(one, ref.shape)
+
+
+def _expert_block(cfg: ModelConfig, targets: dict[str, Target], ep: int) -> int:
+    e = cfg.n_routed_experts
+    if e % ep:
+        raise ValueError(f"the expert axis ({ep}) must divide n_routed_experts ({e})")
+    per_expert = max((int(np.prod(t.shape[1:])) * t.dtype.itemsize for t in targets.values()
+                      if layout.is_expert(t.hf)), default=1)
+    local = e // ep
+    return max(d for d in range(1, local + 1) if local % d == 0 and (d == 1 or d * per_expert <= _BLOCK_BYTES))
+
+
+def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
+    """Read and check the headers of the checkpoint in `src`; the arrays the conversion will write.
+
+    Raises CheckpointError, naming the tensor and its file, for a missing, unexpected, mis-shaped or
+    wrongly typed tensor, a shard the index names but the folder lacks, a truncated file, or a config
+    that does not match the tensors."""
+    if weights not in ("keep", "bf16"):
+        raise ValueError(f"weights must be 'keep' or 'bf16', got {weights!r}")
+    src = os.path.abspath(os.fspath(src))
+    if not os.path.isdir(src):
+        raise CheckpointError(f"{src} is not a folder")
+    cfg_path = os.path.join(src, "config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+        stored = ModelConfig.from_hf(raw)
+    except FileNotFoundError:
+        raise CheckpointError(f"{src} has no config.json") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: not a DeepSeek-V4 config ({type(e).__name__}: {e})") from None
+
+    refs: dict[str, tuple[str, tuple[TensorRef, int]]] = {}
+    for path in checkpoint_files(src):
+        header, start = read_header(path)
+        for name, ref in header.items():
+            if name in refs:
+                raise CheckpointError(f"tensor {name!r} appears in both {refs[name][0]} and {path}")
+            refs[name] = (path, (ref, start))
+    _check_index(src, refs)
+    tensors, scales = pair_scales(refs)
+    check_scales_declared(stored, scales, cfg_path)
+
+    # Checks run against the stored (quantized) layout, where nothing is dequantized; weights="bf16"
+    # then maps its arrays to their float form.
+    keep_targets = _targets(stored)
+    block = _expert_block(stored, keep_targets, ep)
+    store, filled, items, dropped = _Store(block), set(), [], []
+    order = sorted(tensors, key=lambda n: (tensors[n][0], tensors[n][1][0].begin))
+    for name in order:
+        file, (ref, start) = tensors[name]
+        scale = scales.get(name)
+        fake_scale = (scale[0], scale[1], _fake(scale[2][0])) if scale else None
+        store.touched, store.context = set(), (name, file)
+        place(stored, stored, name, file, _fake(ref), fake_scale, keep_targets, store, filled)
+        if not store.touched:
+            dropped.append(name)
+            continue
+        items.append(Item(name, ref, start, scale[2] if scale else None, tuple(sorted(store.touched))))
+    check_complete(src, stored, keep_targets, filled)
+    pieces = {k: layout.Piece(k, *layout.split_key(k), a.shape, a.dtype) for k, a in store.arrays.items()}
+
+    cfg, targets = stored, keep_targets
+    if weights == "bf16" and stored.quantization is not None:
+        cfg = stored.replace(quantization=None)
+        targets = _targets(cfg)
+        pieces = {k: _as_float(p, targets) for k, p in pieces.items() if p.hf in targets}
+        items = [Item(i.name, i.ref, i.start, i.scale, tuple(k for k in i.pieces if k in pieces)) for i in items]
+    return Plan(src, raw, stored, cfg, weights, block, targets, items, pieces, dropped)
+
+
+def _targets(cfg: ModelConfig) -> dict[str, Target]:
+    model_abs = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    return targets_of(model_abs, list(nnx.to_flat_state(nnx.state(model_abs))))
+
+
+def _as_float(p: layout.Piece, targets: dict[str, Target]) -> layout.Piece:
+    t = targets[p.hf]
+    shape = t.shape if p.first is None else (p.shape[0],) + t.shape[1:]
+    dtype = np.dtype(ml_dtypes.bfloat16) if p.dtype in _QUANTIZED_SOURCE else p.dtype
+    return layout.Piece(p.key, p.hf, p.first, shape, dtype)
+
+
+def _check_index(src: str, refs: dict) -> None:
+    index = os.path.join(src, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    for name, fname in weight_map.items():
+        where = refs.get(name)
+        if where is None or os.path.basename(where[0]) != fname:
+            raise CheckpointError(f"{index} puts tensor {name!r} in {fname}, but "
+                                  + ("no shard holds it" if where is None else f"it is in {where[0]}"))
+    for name, (path, _) in refs.items():
+        if name not in weight_map:
+            raise CheckpointError(f"{path}: tensor {name!r} is not in {index}")
+
+
+def _complete(plan: Plan, key: str, filled: set) -> bool:
+    hf, first = layout.split_key(key)
+    if first is None or hf in filled:
+        return hf in filled
+    leaf = hf.removesuffix("_scale_inv")
+    parts = ("w2",) if leaf.endswith("down_proj") else ("w1", "w3")
+    return all((hf, e, p) in filled for e in range(first, first + plan.expert_block) for p in parts)
+
+
+def stream(plan: Plan, on_array: Callable[[str, np.ndarray], None], skip: set[str] = frozenset(),
+           on_bytes: Callable[[int], None] = lambda n: None, on_file: Callable[[str], None] = lambda f: None):
+    """Read the source tensors that feed arrays not in `skip` and call `on_array(key, array)` as each
+    array of the converted layout is complete; `on_file(path)` after the last tensor of each file."""
+    store, filled = _Store(plan.expert_block, plan), set()
+    for i, item in enumerate(plan.items):
+        if item.pieces and not all(k in skip for k in item.pieces):
+            value = read_tensor(item.ref, item.start)
+            scale = (item.scale[0].name, item.scale[0].file, read_tensor(*item.scale)) if item.scale else None
+            store.touched, store.context = set(), (item.name, item.ref.file)
+            place(plan.stored, plan.cfg, item.name, item.ref.file, value, scale, plan.targets, store, filled)
+            del value, scale  # drop the memory maps: their pages stop counting once unmapped
+            for key in sorted(store.touched):
+                if key in store.arrays and _complete(plan, key, filled):
+                    on_array(key, store.arrays.pop(key))
+            on_bytes(item.nbytes)
+        if i + 1 == len(plan.items) or plan.items[i + 1].ref.file != item.ref.file:
+            on_file(item.ref.file)
+    if store.arrays:  # cannot happen after check_complete; guards against a planning bug
+        raise AssertionError(f"arrays never completed: {sorted(store.arrays)[:5]}")
+
+
+def sha256(a: np.ndarray) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))).hexdigest()
+
+
+class _Saver:
+    """Saves finished arrays into the Orbax partial-save session and journals each one."""
+
+    def __init__(self, params: str, journal: str, done: dict[str, dict]):
+        self.params, self.journal, self.done = params, journal, done
+        self.ready: dict[str, np.ndarray] = {}
+        self.bytes = 0
+
+    def add(self, key: str, value: np.ndarray) -> None:
+        if key in self.done:
+            return
+        self.ready[key] = value
+        self.bytes += value.nbytes
+        if self.bytes >= _FLUSH_BYTES:
+            self.flush()
+
+    def flush(self, _file: str | None = None) -> None:
+        if not self.ready:
+            return
+        try:
+            _partial_save(self.params, self.ready)
+        except PartialSaveReplacementError:
+            # A run killed between a save and its journal line: save what the session still lacks.
+            for key, value in self.ready.items():
+                try:
+                    _partial_save(self.params, {key: value})
+                except PartialSaveReplacementError:
+                    pass
+        with open(self.journal, "a") as f:
+            for key, value in self.ready.items():
+                info = {"key": key, "shape": list(value.shape), "dtype": value.dtype.name, "sha256": sha256(value)}
+                f.write(json.dumps(info) + "\n")
+                self.done[key] = info
+            f.flush()
+            os.fsync(f.fileno())
+        self.ready, self.bytes = {}, 0
+
+
+def _orbax_context() -> ocp.Context:
+    ctx = ocp.Context()
+    ctx.array.saving.use_compression = False  # FP8/FP4 weights do not compress; zstd only costs time
+    return ctx
+
+
+def _partial_save(params: str, arrays: dict[str, np.ndarray]) -> None:
+    with _orbax_context():
+        ocp.partial.save(params, layout.nest(arrays))
+
+
+def _read_journal(path: str) -> dict[str, dict]:
+    done = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    info = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut by the kill: its save is retried (or found in the session)
+                done[info["key"]] = info
+    return done
+
+
+def _fingerprint(plan: Plan, ep: int) -> dict:
+    files = sorted({i.ref.file for i in plan.items} | {os.path.join(plan.src, "config.json")})
+    return {"src": plan.src, "weights": plan.weights, "ep": ep, "expert_block": plan.expert_block,
+            "files": [[os.path.basename(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]}
+
+
+def _extra_files(src: str) -> list[str]:
+    """Tokenizer and other small files that travel with the weights."""
+    return sorted(f for f in os.listdir(src) if os.path.isfile(os.path.join(src, f))
+                  and not f.endswith(".safetensors") and f not in _WEIGHT_FILES)
+
+
+@dataclass
+class Summary:
+    arrays: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    resumed_arrays: int
+    dropped: list[str]
+    peak_rss_bytes: int
+    verified: bool
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_read / 1e6 / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        resumed = f", {self.resumed_arrays} already saved by an earlier run" if self.resumed_arrays else ""
+        dropped = f"; dropped {len(self.dropped)} MTP tensor(s)" if self.dropped else ""
+        return (f"{self.arrays} arrays{resumed}; read {self.bytes_read / 1e9:.2f} GB in {self.seconds:.1f} s "
+                f"({self.mb_per_s:.0f} MB/s); checkpoint {self.bytes_written / 1e9:.2f} GB; peak RSS "
+                f"{self.peak_rss_bytes / 1e9:.2f} GB{dropped}" + ("; verified against the source" if self.verified
+                                                                  else ""))
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _progress(total: int, desc: str, enabled: bool, initial: int = 0):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=not enabled, smoothing=0.1, dynamic_ncols=True)
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, weights: str = "keep", ep: int = 1,
+            verify: bool = False, progress: bool = True) -> Summary:
+    """Convert the checkpoint in `src` into a dsjax Orbax checkpoint at `dst` (see converted.py).
+
+    `weights="bf16"` dequantizes FP8/FP4 weights into bf16; `ep` aligns the expert blocks to an expert
+    axis of that size. Works in `dst.partial` and renames it to `dst` when complete; a run interrupted in
+    any way resumes when re-run with the same arguments. `verify` re-reads every array of the result and
+    compares its sha256 with the same array rebuilt from `src` before the rename.
+    """
+    t0 = time.time()
+    dst = os.path.abspath(os.fspath(dst))
+    if os.path.exists(dst):
+        raise FileExistsError(f"{dst} exists; remove it or choose another destination")
+    the_plan = plan(src, weights, ep)
+    work = dst + ".partial"
+    params = os.path.join(work, layout.PARAMS)
+    fingerprint = _fingerprint(the_plan, ep)
+    args_path = os.path.join(work, "conversion.json")
+    if os.path.exists(work):
+        try:
+            with open(args_path) as f:
+                previous = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            previous = None
+        if previous != fingerprint:
+            raise CheckpointError(f"{work} holds an unfinished conversion of another source or with other "
+                                  "options (or the source changed since); remove it, or re-run with the "
+                                  "arguments it was started with")
+    else:
+        os.makedirs(work)
+        with open(args_path + ".tmp", "w") as f:
+            json.dump(fingerprint, f, indent=1)
+        os.replace(args_path + ".tmp", args_path)
+
+    journal = os.path.join(work, "journal.jsonl")
+    done = _read_journal(journal)
+    resumed = sum(k in done for k in the_plan.pieces)
+    total = sum(i.nbytes for i in the_plan.items if i.pieces)
+    todo = sum(i.nbytes for i in the_plan.items if i.pieces and not all(k in done for k in i.pieces))
+    saver = _Saver(params, journal, done)
+    bar = _progress(total, "convert", progress, initial=total - todo)
+    try:
+        if not os.path.isdir(params):
+            stream(the_plan, saver.add, skip=set(done), on_bytes=bar.update,
+                   on_file=saver.flush)
+            saver.flush()
+            missing = sorted(set(the_plan.pieces) - set(done))
+            if missing:
+                raise AssertionError(f"arrays never saved: {missing[:5]}")
+            with _orbax_context():
+                ocp.partial.finalize(params)
+    except CheckpointError:
+        bar.close()
+        shutil.rmtree(work, ignore_errors=True)  # bad data: nothing to resume
+        raise
+    bar.close()
+
+    for name in _extra_files(the_plan.src):
+        shutil.copy2(os.path.join(the_plan.src, name), os.path.join(work, name))
+    config = dict(the_plan.raw_config)
+    if the_plan.cfg.quantization is None:
+        config.pop("quantization_config", None)
+    with open(os.path.join(work, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    manifest = {"format": layout.FORMAT, "version": layout.VERSION, "weights": weights,
+                "expert_block": the_plan.expert_block, "ep": ep, "source": the_plan.src,
+                "dropped": the_plan.dropped,
+                "pieces": {k: {x: done[k][x] for x in ("shape", "dtype", "sha256")} for k in sorted(the_plan.pieces)}}
+    with open(os.path.join(work, layout.MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    if verify:
+        verify_against_source(work, the_plan, progress)
+    for name in ("journal.jsonl", "conversion.json"):
+        os.remove(os.path.join(work, name))
+    os.rename(work, dst)
+    written = sum(p.nbytes for p in the_plan.pieces.values())
+    return Summary(len(the_plan.pieces), todo, written, time.time() - t0, resumed, the_plan.dropped, _peak_rss(),
+                   verify)
+
+
+def verify_against_source(folder: str, the_plan: Plan, progress: bool = True) -> None:
+    """Rebuild every array of the converted checkpoint in `folder` from the source and compare sha256s
+    with the manifest's and with the array read back from the Orbax checkpoint."""
+    man = layout.read_manifest(folder)
+    pieces = layout.pieces_of(man)
+    params = os.path.join(folder, layout.PARAMS)
+    bar = _progress(sum(i.nbytes for i in the_plan.items if i.pieces), "verify", progress)
+
+    def check(key: str, expected: np.ndarray) -> None:
+        want = sha256(expected)
+        if key not in pieces:
+            raise CheckpointError(f"{folder}: array {key!r} is missing")
+        got = sha256(layout.read_pieces(params, [pieces[key]])[key])
+        if not want == got == man["pieces"][key]["sha256"]:
+            raise CheckpointError(f"{folder}: array {key!r} differs from the source (sha256 source {want[:12]}, "
+                                  f"checkpoint {got[:12]}, manifest {man['pieces'][key]['sha256'][:12]})")
+
+    stream(the_plan, check, on_bytes=bar.update)
+    bar.close()
+
+
+def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int | None = None,
+          progress: bool = True) -> Summary:
+    """Write the converted checkpoint `src` back as safetensors shards with DeepSeek's original names
+    (+ index, config, tokenizer files) at `dst`, one layer at a time; staged in `dst.partial`."""
+    t0 = time.time()
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    if os.path.exists(dst):
+        raise FileExistsError(f"{dst} exists; remove it or choose another destination")
+    if not layout.is_converted(src):
+        raise CheckpointError(f"{src} is not a converted dsjax checkpoint (no {layout.MANIFEST})")
+    man = layout.read_manifest(src)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = ModelConfig.from_hf(json.load(f))
+    pieces = layout.pieces_of(man)
+    work = dst + ".partial"
+    shutil.rmtree(work, ignore_errors=True)
+    writer = ShardWriter(work, max_shard_bytes or 4 << 30)
+    params = os.path.join(src, layout.PARAMS)
+    float_experts = cfg.quantization is None
+    units: dict[int, list[layout.Piece]] = {}
+    for p in pieces.values():
+        units.setdefault(layout.unit_of(p.key), []).append(p)
+    order = sorted(units, key=lambda u: (u == -1, u))  # layers first, then embedding, norm and head
+    total = sum(p.nbytes for p in pieces.values())
+    bar = _progress(total, "to-hf", progress)
+    for unit in order:
+        batch: list[layout.Piece] = []
+        for p in sorted(units[unit], key=lambda p: (p.hf, p.first or 0)):
+            batch.append(p)
+            if sum(x.nbytes for x in batch) >= _FLUSH_BYTES:
+                _write_original(cfg, writer, layout.read_pieces(params, batch), pieces, float_experts)
+                bar.update(sum(x.nbytes for x in batch))
+                batch = []
+        if batch:
+            _write_original(cfg, writer, layout.read_pieces(params, batch), pieces, float_experts)
+            bar.update(sum(x.nbytes for x in batch))
+    writer.close()
+    bar.close()
+    for name in _extra_files(src):
+        if name != layout.MANIFEST:
+            shutil.copy2(os.path.join(src, name), os.path.join(work, name))
+    shutil.copy2(os.path.join(src, "config.json"), os.path.join(work, "config.json"))
+    os.rename(work, dst)
+    return Summary(len(pieces), total, total, time.time() - t0, 0, [], _peak_rss(), False)
+
+
+def _write_original(cfg: ModelConfig, writer: ShardWriter, values: dict, pieces: dict, float_experts: bool) -> None:
+    for key in sorted(values, key=lambda k: (pieces[k].hf, pieces[k].first or 0)):
+        p = pieces[key]
+        value = np.asarray(values.pop(key))
+        hf_named = [(p.hf, hf_value(p.hf, value, float_experts))]
+        for name, v in original_names(cfg, hf_named, first_expert=p.first or 0):
+            writer.add(name, v)

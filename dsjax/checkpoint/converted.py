@@ -1,0 +1,262 @@
+"""A converted checkpoint: dsjax's Orbax layout, and loading it straight onto the devices.
+
+    DST/config.json, tokenizer files     from the source (no quantization_config after `--weights bf16`)
+    DST/dsjax_checkpoint.json            format, conversion options, every array's shape, dtype, sha256
+    DST/params/                          one Orbax checkpoint (OCDBT, zarr3, uncompressed)
+
+The Orbax tree is dsjax's parameter tree with the layers unstacked: a leaf per HF name
+(`model.layers.3.self_attn.q_a_proj.weight`, `…weight_scale_inv`), the merged routed experts split
+into blocks of consecutive experts keyed by the first one (`model.layers.3.mlp.experts.gate_up_proj.0`,
+`….gate_up_proj.64`), so that no array is ever larger than a block and an expert-parallel device reads
+only its blocks. Arrays keep the dtypes the source stored (bf16, fp32, FP8 e4m3, FP4 as int8, ue8m0
+scales as uint8, int64 hash tables); only float experts change orientation, to dsjax's [E, in, out].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from orbax.checkpoint import v1 as ocp
+
+from dsjax.checkpoint.load import targets_of
+from dsjax.checkpoint.names import TRANSPOSED_LEAVES
+from dsjax.checkpoint.safetensors_io import CheckpointError
+from dsjax.config import ModelConfig
+from dsjax.model import DeepseekV4
+
+MANIFEST = "dsjax_checkpoint.json"
+PARAMS = "params"
+FORMAT = "dsjax-orbax"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One array of a converted checkpoint: HF tensor `hf`, or experts [first, first + n) of it."""
+
+    key: str
+    hf: str
+    first: int | None
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def is_expert(hf: str) -> bool:
+    return hf.endswith(TRANSPOSED_LEAVES) or hf.endswith(tuple(x + "_scale_inv" for x in TRANSPOSED_LEAVES))
+
+
+def piece_key(hf: str, first: int | None) -> str:
+    return hf if first is None else f"{hf}.{first}"
+
+
+def split_key(key: str) -> tuple[str, int | None]:
+    head, _, tail = key.rpartition(".")
+    return (head, int(tail)) if tail.isdigit() and is_expert(head) else (key, None)
+
+
+def unit_of(key: str) -> int:
+    """The layer a piece belongs to; -1 for embedding, head and final norms."""
+    parts = key.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] else -1
+
+
+def nest(flat: dict[str, object]) -> dict:
+    """{'a.b.c': x} → {'a': {'b': {'c': x}}}: the Orbax tree of a set of pieces."""
+    tree: dict = {}
+    for key, value in flat.items():
+        node = tree
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        out.update(flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def dtype_of(name: str) -> np.dtype:
+    return np.dtype(jnp.dtype(name))
+
+
+def read_manifest(folder: str) -> dict:
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path) as f:
+            man = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable dsjax manifest ({e})") from None
+    if man.get("format") != FORMAT or man.get("version") != VERSION:
+        raise CheckpointError(f"{path}: format {man.get('format')!r} version {man.get('version')!r}; this dsjax "
+                              f"reads {FORMAT!r} version {VERSION}")
+    return man
+
+
+def pieces_of(man: dict) -> dict[str, Piece]:
+    out = {}
+    for key, info in man["pieces"].items():
+        hf, first = split_key(key)
+        out[key] = Piece(key, hf, first, tuple(info["shape"]), dtype_of(info["dtype"]))
+    return out
+
+
+def is_converted(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, MANIFEST))
+
+
+def read_pieces(params: str, pieces: list[Piece], sharding=None) -> dict[str, np.ndarray | jax.Array]:
+    """Read some pieces of the Orbax checkpoint at `params`: numpy arrays on the host (sharding None),
+    else jax arrays placed by `sharding(piece)`. Integer pieces always come back as numpy (jax would
+    truncate int64)."""
+    abstract = {}
+    for p in pieces:
+        if sharding is None or p.dtype.kind in "iu":
+            # np.empty only reserves address space; Orbax reads the shape and dtype from it.
+            abstract[p.key] = np.empty(p.shape, p.dtype)
+        else:
+            abstract[p.key] = jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=sharding(p))
+    ctx = ocp.Context()
+    ctx.pytree.loading.partial_load = True
+    with ctx:
+        return flatten(ocp.load(params, nest(abstract)))
+
+
+def load_converted(folder: str, dtype=jnp.float32, weights: str = "keep", mesh=None) -> DeepseekV4:
+    """A DeepseekV4 from a converted checkpoint, placed on `mesh` by `dsjax.parallel.rules` (None: the
+    first device). Arrays are read a few at a time, layer by layer, and each device receives only its
+    slice of each, written into its own buffer: the host never holds more than a batch of arrays, no
+    device more than its share, and a process reads only the arrays its devices need."""
+    from dsjax.quantize import dequantize_model
+
+    man = read_manifest(folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        stored = ModelConfig.from_hf(json.load(f))
+    if weights == "bf16" and stored.quantization is not None:
+        return dequantize_model(load_converted(folder, dtype, "keep", mesh), dtype)
+    model_abs = nnx.eval_shape(lambda: DeepseekV4(stored, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(model_abs)
+    flat = list(nnx.to_flat_state(state))
+    variables = dict(flat)
+    targets = targets_of(model_abs, flat)
+    pieces = pieces_of(man)
+    _check_covers(folder, stored, targets, pieces)
+    params = os.path.join(folder, PARAMS)
+
+    placed: dict[tuple, _Placed] = {}
+
+    def placement(path) -> _Placed:
+        if path not in placed:
+            sds = variables[path].get_value()
+            if mesh is None:
+                sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            else:
+                from dsjax.parallel.rules import param_sharding
+
+                sharding = param_sharding(mesh, path, len(sds.shape))
+            placed[path] = _Placed(tuple(sds.shape), np.dtype(sds.dtype), sharding)
+        return placed[path]
+
+    units: dict[int, list[Piece]] = {}
+    for p in pieces.values():
+        t = targets[p.hf]
+        if placement(t.path).wants(_region(t, p)):
+            units.setdefault(unit_of(p.key), []).append(p)
+    for unit in sorted(units):
+        for batch in _batches(units[unit]):
+            for key, value in read_pieces(params, batch).items():
+                t = targets[pieces[key].hf]
+                placement(t.path).put(_region(t, pieces[key]), value)
+    for path, pl in placed.items():
+        variables[path].set_value(pl.array())
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+_READ_BYTES = 256 << 20
+
+
+def _batches(pieces: list[Piece]):
+    batch, size = [], 0
+    for p in sorted(pieces, key=lambda p: p.key):
+        if batch and size + p.nbytes > _READ_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        size += p.nbytes
+    if batch:
+        yield batch
+
+
+def _region(t, p: Piece) -> tuple[tuple[int, int], ...]:
+    """The [lo, hi) ranges the piece covers in the (stacked) variable."""
+    rows = [(0, n) for n in t.shape]
+    if p.first is not None:
+        rows[0] = (p.first, p.first + p.shape[0])
+    return (((t.repeat, t.repeat + 1),) if t.repeat is not None else ()) + tuple(rows)
+
+
+class _Placed:
+    """One variable being assembled: a buffer per addressable device holding that device's slice."""
+
+    def __init__(self, shape: tuple, dtype: np.dtype, sharding):
+        self.shape, self.dtype, self.sharding = shape, dtype, sharding
+        self.slices = {d: tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+                       for d, idx in sharding.addressable_devices_indices_map(shape).items()}
+        self.buffers: dict = {}
+
+    def _overlap(self, mine, region):
+        both = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(mine, region)]
+        return None if any(lo >= hi for lo, hi in both) else both
+
+    def wants(self, region) -> bool:
+        return any(self._overlap(mine, region) for mine in self.slices.values())
+
+    def put(self, region, value: np.ndarray) -> None:
+        value = value.reshape(tuple(hi - lo for lo, hi in region))  # adds the stacked axis
+        for d, mine in self.slices.items():
+            both = self._overlap(mine, region)
+            if both is None:
+                continue
+            part = value[tuple(slice(lo - r, hi - r) for (lo, hi), (r, _) in zip(both, region))]
+            if d not in self.buffers:
+                self.buffers[d] = jnp.zeros(tuple(b - a for a, b in mine), self.dtype, device=d)
+            start = tuple(jnp.int32(lo - m) for (lo, _), (m, _) in zip(both, mine))
+            self.buffers[d] = _insert(self.buffers[d], jax.device_put(part.astype(self.dtype), d), start)
+
+    def array(self) -> jax.Array:
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding,
+                                                        [self.buffers[d] for d in self.slices])
+
+
+_insert = jax.jit(lambda buf, value, start: jax.lax.dynamic_update_slice(buf, value, start), donate_argnums=0)
+
+
+def _check_covers(folder: str, cfg: ModelConfig, targets: dict, pieces: dict[str, Piece]) -> None:
+    """Every variable of `cfg` must be in the checkpoint, every expert once, and nothing else."""
+    have: dict[str, int] = {}
+    for p in pieces.values():
+        if p.hf not in targets:
+            raise CheckpointError(f"{folder}: array {p.key!r} belongs to no DeepSeek-V4 parameter of its config")
+        t = targets[p.hf]
+        want = t.shape if p.first is None else (p.shape[0],) + t.shape[1:]
+        if p.shape != want:
+            raise CheckpointError(f"{folder}: array {p.key!r} has shape {list(p.shape)}, expected {list(want)}")
+        have[p.hf] = have.get(p.hf, 0) + (1 if p.first is None else p.shape[0])
+    missing = [hf for hf, t in targets.items() if have.get(hf, 0) != (t.shape[0] if is_expert(hf) else 1)]
+    if missing:
+        raise CheckpointError(f"{folder}: converted checkpoint lacks or repeats {len(missing)} array(s): "
+                              f"{sorted(missing)[:8]}")

@@ -1,0 +1,1 @@
+"""Parallelism: device meshes and how arrays are laid out on them."""

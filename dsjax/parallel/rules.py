@@ -1,0 +1,34 @@
+"""The one table from logical axis names to mesh axes, and the logical axes of each parameter.
+
+Only the routed experts are split so far (expert parallelism over `ep`); everything else is
+replicated. Parallelism work adds tensor- and data-parallel rules here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+# logical axis → mesh axis (None: replicated)
+RULES: dict[str, str | None] = {
+    "layers": None,  # the stacked-layer axis of a layer group
+    "expert": "ep",
+}
+
+_EXPERT_LEAVES = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+
+
+def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
+    """Logical names of the axes of the dsjax variable at state path `path`."""
+    stacked = path[0] == "groups"
+    lead = ("layers",) if stacked else ()
+    if len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_LEAVES:
+        return lead + ("expert",) + (None,) * (ndim - len(lead) - 1)
+    return lead + (None,) * (ndim - len(lead))
+
+
+def param_sharding(mesh: jax.sharding.Mesh, path: tuple, ndim: int) -> NamedSharding:
+    """Where the variable at `path` lives on `mesh`, by RULES."""
+    spec = [RULES.get(a) if a else None for a in logical_axes(path, ndim)]
+    spec = [a if a in mesh.axis_names and mesh.shape[a] > 1 else None for a in spec]
+    return NamedSharding(mesh, PartitionSpec(*spec))
