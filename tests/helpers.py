@@ -8,3 +8,16 @@ CASES = {"mixed": 6, "legacy": 5}  # case name → number of layers
 def layers_of(cfg, attention_type=None, mlp_type=None):
     return [i for i, (a, m) in enumerate(cfg.layer_kinds)
             if (attention_type is None or a == attention_type) and (mlp_type is None or m == mlp_type)]
+
+
+def assert_same_state(a, b) -> None:
+    """Two models hold the same variables, dtype for dtype and byte for byte."""
+    import numpy as np
+    from flax import nnx
+
+    sa = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(a))}
+    sb = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(b))}
+    assert sa.keys() == sb.keys()
+    for p in sa:
+        assert sa[p].dtype == sb[p].dtype and sa[p].shape == sb[p].shape, p
+        assert sa[p].tobytes() == sb[p].tobytes(), p

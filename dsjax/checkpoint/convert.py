@@ -33,11 +33,11 @@ from dsjax.checkpoint.load import (Target, check_complete, check_scales_declared
                                    targets_of)
 from dsjax.checkpoint.safetensors_io import (CheckpointError, TensorRef, checkpoint_files, read_header,
                                              read_tensor, tensor_dtype)
-from dsjax.checkpoint.save import ShardWriter, hf_value, original_names
+from dsjax.checkpoint.save import StreamingShards, hf_value, original_names
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 
-_BLOCK_BYTES = 256 << 20  # experts per block: as many as fit this (the unit an EP device reads)
+_BLOCK_BYTES = 256 << 20  # no array is larger: big tensors are stored in blocks of rows (experts)
 _FLUSH_BYTES = 256 << 20  # finished arrays are saved together once they add up to this
 _QUANTIZED_SOURCE = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8), np.dtype(np.uint8))
 _WEIGHT_FILES = ("model.safetensors.index.json", "config.json")
@@ -71,6 +71,7 @@ class Plan:
     targets: dict[str, Target]
     items: list[Item]
     pieces: dict[str, layout.Piece]
+    rows: dict[str, int]  # HF name → rows per block, for tensors stored in blocks along their first axis
     dropped: list[str] = field(default_factory=list)  # MTP weights (unused, as by the reference)
 
 
@@ -89,18 +90,26 @@ class _Sink:
 
 class _Store:
     """The `dest` of `place()`: the arrays of the converted layout, allocated as tensors arrive. While
-    planning (`plan` None) it records each array's shape and dtype; converting, it allocates them as
-    planned."""
+    planning (`plan` None) it decides the blocks and records each array's shape and dtype; converting,
+    it allocates them as planned."""
 
-    def __init__(self, block: int, plan: Plan | None = None):
-        self.block, self.plan = block, plan
+    def __init__(self, expert_block: int, plan: Plan | None = None):
+        self.expert_block, self.plan = expert_block, plan
+        self.rows: dict[str, int] = {} if plan is None else plan.rows
         self.arrays: dict[str, np.ndarray | _Sink] = {}
         self.touched: set[str] = set()
         self.context = ("", "")  # (tensor, file) being placed, for error messages
 
     def __call__(self, t: Target, source_dtype):
-        if layout.is_expert(t.hf):
-            return _Blocks(self, t, source_dtype)
+        if self.plan is None and t.hf not in self.rows:
+            if layout.is_expert(t.hf):
+                self.rows[t.hf] = self.expert_block
+            else:
+                row_bytes = int(np.prod(t.shape[1:], dtype=np.int64)) * _stored_dtype(t, source_dtype).itemsize
+                if t.shape and t.shape[0] * row_bytes > _BLOCK_BYTES:
+                    self.rows[t.hf] = max(1, _BLOCK_BYTES // max(row_bytes, 1))
+        if t.hf in self.rows:
+            return _Blocks(self, t, source_dtype, self.rows[t.hf])
         return self.array(t.hf, t, t.shape, source_dtype)
 
     def array(self, key: str, t: Target, shape, source_dtype):
@@ -122,25 +131,25 @@ class _Store:
 
 
 class _Blocks:
-    """A merged expert tensor as blocks of `block` experts: `[e]` is expert e's slab, `[...] =` fills all."""
+    """A tensor stored as blocks of `rows` along its first axis (for merged experts: experts per block):
+    `[e]` is row e, `[...] = value` fills every block."""
 
-    def __init__(self, store: _Store, t: Target, source_dtype):
-        self.store, self.t, self.source_dtype = store, t, source_dtype
+    def __init__(self, store: _Store, t: Target, source_dtype, rows: int):
+        self.store, self.t, self.source_dtype, self.rows = store, t, source_dtype, rows
         self.shape = t.shape
 
     def _block(self, first: int):
-        shape = (self.store.block,) + self.t.shape[1:]
+        shape = (min(self.rows, self.t.shape[0] - first),) + self.t.shape[1:]
         return self.store.array(layout.piece_key(self.t.hf, first), self.t, shape, self.source_dtype)
 
     def __getitem__(self, e: int):
-        b = self.store.block
-        return self._block(e - e % b)[e % b]
+        return self._block(e - e % self.rows)[e % self.rows]
 
     def __setitem__(self, key, value):
         if key is not Ellipsis:
-            raise TypeError("a merged expert tensor is written whole or one expert at a time")
-        for first in range(0, self.t.shape[0], self.store.block):
-            self._block(first)[...] = value[first:first + self.store.block]
+            raise TypeError("a blocked tensor is written whole or one row (expert) at a time")
+        for first in range(0, self.t.shape[0], self.rows):
+            self._block(first)[...] = value[first:first + self.rows]
 
 
 def _stored_dtype(t: Target, source_dtype) -> np.dtype:
@@ -223,7 +232,7 @@ def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
         targets = _targets(cfg)
         pieces = {k: _as_float(p, targets) for k, p in pieces.items() if p.hf in targets}
         items = [Item(i.name, i.ref, i.start, i.scale, tuple(k for k in i.pieces if k in pieces)) for i in items]
-    return Plan(src, raw, stored, cfg, weights, block, targets, items, pieces, dropped)
+    return Plan(src, raw, stored, cfg, weights, block, targets, items, pieces, store.rows, dropped)
 
 
 def _targets(cfg: ModelConfig) -> dict[str, Target]:
@@ -482,30 +491,39 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, weights: str = "keep
 
 
 def verify_against_source(folder: str, the_plan: Plan, progress: bool = True) -> None:
-    """Rebuild every array of the converted checkpoint in `folder` from the source and compare sha256s
-    with the manifest's and with the array read back from the Orbax checkpoint."""
+    """Rebuild every array of the converted checkpoint in `folder` from the source and compare its sha256
+    with the manifest's, then read every array back from the Orbax checkpoint and compare again (two
+    passes, so that memory holds one array at a time)."""
     man = layout.read_manifest(folder)
+    listed = man["pieces"]
+    missing = sorted(set(the_plan.pieces) - set(listed))
+    if missing:
+        raise CheckpointError(f"{folder}: the manifest lacks {len(missing)} array(s), e.g. {missing[:3]}")
+    bar = _progress(sum(i.nbytes for i in the_plan.items if i.pieces) + sum(p.nbytes for p in the_plan.pieces.values()),
+                    "verify", progress)
+
+    def check_source(key: str, expected: np.ndarray) -> None:
+        if sha256(expected) != listed[key]["sha256"]:
+            raise CheckpointError(f"{folder}: array {key!r} as rebuilt from {the_plan.src} differs from the "
+                                  "one the conversion recorded")
+
+    stream(the_plan, check_source, on_bytes=bar.update)
     pieces = layout.pieces_of(man)
     params = os.path.join(folder, layout.PARAMS)
-    bar = _progress(sum(i.nbytes for i in the_plan.items if i.pieces), "verify", progress)
-
-    def check(key: str, expected: np.ndarray) -> None:
-        want = sha256(expected)
-        if key not in pieces:
-            raise CheckpointError(f"{folder}: array {key!r} is missing")
+    for key in sorted(the_plan.pieces):
         got = sha256(layout.read_pieces(params, [pieces[key]])[key])
-        if not want == got == man["pieces"][key]["sha256"]:
-            raise CheckpointError(f"{folder}: array {key!r} differs from the source (sha256 source {want[:12]}, "
-                                  f"checkpoint {got[:12]}, manifest {man['pieces'][key]['sha256'][:12]})")
-
-    stream(the_plan, check, on_bytes=bar.update)
+        if got != listed[key]["sha256"]:
+            raise CheckpointError(f"{folder}: array {key!r} differs from the source (sha256 {got[:12]} "
+                                  f"read back, {listed[key]['sha256'][:12]} from the source)")
+        bar.update(pieces[key].nbytes)
     bar.close()
 
 
 def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int | None = None,
           progress: bool = True) -> Summary:
     """Write the converted checkpoint `src` back as safetensors shards with DeepSeek's original names
-    (+ index, config, tokenizer files) at `dst`, one layer at a time; staged in `dst.partial`."""
+    (+ index, config, tokenizer files) at `dst`. Every file's header is known before any data is read,
+    so the arrays stream through one at a time; the result is staged in `dst.partial`."""
     t0 = time.time()
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     if os.path.exists(dst):
@@ -516,28 +534,52 @@ def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int |
     with open(os.path.join(src, "config.json")) as f:
         cfg = ModelConfig.from_hf(json.load(f))
     pieces = layout.pieces_of(man)
+    order = sorted(pieces.values(), key=lambda p: (layout.unit_of(p.key) == -1, layout.unit_of(p.key), p.hf,
+                                                   p.first or 0))  # layers, then embedding, norm and head
+    float_experts = cfg.quantization is None
+
+    def originals(p: layout.Piece, value: np.ndarray):
+        """(original name, data) for one array: the per-expert tensors of an expert block; else the
+        tensor, or the rows of it that a block holds (the writer appends them)."""
+        hf_named = [(p.hf, hf_value(p.hf, value, float_experts))]
+        yield from original_names(cfg, hf_named, first_expert=p.first if layout.is_expert(p.hf) else 0)
+
+    full_rows = {}
+    for p in pieces.values():
+        if p.first is not None and not layout.is_expert(p.hf):
+            full_rows[p.hf] = max(full_rows.get(p.hf, 0), p.first + p.shape[0])
+    entries = []
+    for p in order:
+        if p.first is not None and not layout.is_expert(p.hf):
+            if p.first == 0:
+                fake = np.broadcast_to(np.zeros((), p.dtype), (full_rows[p.hf],) + p.shape[1:])
+                entries += [(n, v.dtype, v.shape) for n, v in originals(p, fake)]
+            continue
+        fake = np.broadcast_to(np.zeros((), p.dtype), p.shape)
+        entries += [(n, v.dtype, v.shape) for n, v in originals(p, fake)]
+
     work = dst + ".partial"
     shutil.rmtree(work, ignore_errors=True)
-    writer = ShardWriter(work, max_shard_bytes or 4 << 30)
+    writer = StreamingShards(work, entries, max_shard_bytes or 4 << 30)
     params = os.path.join(src, layout.PARAMS)
-    float_experts = cfg.quantization is None
-    units: dict[int, list[layout.Piece]] = {}
-    for p in pieces.values():
-        units.setdefault(layout.unit_of(p.key), []).append(p)
-    order = sorted(units, key=lambda u: (u == -1, u))  # layers first, then embedding, norm and head
     total = sum(p.nbytes for p in pieces.values())
     bar = _progress(total, "to-hf", progress)
-    for unit in order:
-        batch: list[layout.Piece] = []
-        for p in sorted(units[unit], key=lambda p: (p.hf, p.first or 0)):
-            batch.append(p)
-            if sum(x.nbytes for x in batch) >= _FLUSH_BYTES:
-                _write_original(cfg, writer, layout.read_pieces(params, batch), pieces, float_experts)
-                bar.update(sum(x.nbytes for x in batch))
-                batch = []
-        if batch:
-            _write_original(cfg, writer, layout.read_pieces(params, batch), pieces, float_experts)
-            bar.update(sum(x.nbytes for x in batch))
+    batch: list[layout.Piece] = []
+
+    def write(batch):
+        values = layout.read_pieces(params, batch)
+        for p in batch:
+            for name, v in originals(p, np.asarray(values.pop(p.key))):
+                writer.write(name, v)
+            bar.update(p.nbytes)
+
+    for p in order:
+        if batch and sum(x.nbytes for x in batch) + p.nbytes > _FLUSH_BYTES:
+            write(batch)
+            batch = []
+        batch.append(p)
+    if batch:
+        write(batch)
     writer.close()
     bar.close()
     for name in _extra_files(src):
@@ -546,12 +588,3 @@ def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int |
     shutil.copy2(os.path.join(src, "config.json"), os.path.join(work, "config.json"))
     os.rename(work, dst)
     return Summary(len(pieces), total, total, time.time() - t0, 0, [], _peak_rss(), False)
-
-
-def _write_original(cfg: ModelConfig, writer: ShardWriter, values: dict, pieces: dict, float_experts: bool) -> None:
-    for key in sorted(values, key=lambda k: (pieces[k].hf, pieces[k].first or 0)):
-        p = pieces[key]
-        value = np.asarray(values.pop(key))
-        hf_named = [(p.hf, hf_value(p.hf, value, float_experts))]
-        for name, v in original_names(cfg, hf_named, first_expert=p.first or 0):
-            writer.add(name, v)

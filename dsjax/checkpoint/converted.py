@@ -60,8 +60,9 @@ def piece_key(hf: str, first: int | None) -> str:
 
 
 def split_key(key: str) -> tuple[str, int | None]:
+    """(HF name, first row of the block or None); no HF name ends in a number, block keys do."""
     head, _, tail = key.rpartition(".")
-    return (head, int(tail)) if tail.isdigit() and is_expert(head) else (key, None)
+    return (head, int(tail)) if tail.isdigit() else (key, None)
 
 
 def unit_of(key: str) -> int:
@@ -246,8 +247,9 @@ _insert = jax.jit(lambda buf, value, start: jax.lax.dynamic_update_slice(buf, va
 
 
 def _check_covers(folder: str, cfg: ModelConfig, targets: dict, pieces: dict[str, Piece]) -> None:
-    """Every variable of `cfg` must be in the checkpoint, every expert once, and nothing else."""
-    have: dict[str, int] = {}
+    """Every variable of `cfg` is in the checkpoint exactly once (whole, or in blocks that tile its first
+    axis), with its shape, and nothing else is."""
+    spans: dict[str, list[tuple[int, int]]] = {}
     for p in pieces.values():
         if p.hf not in targets:
             raise CheckpointError(f"{folder}: array {p.key!r} belongs to no DeepSeek-V4 parameter of its config")
@@ -255,8 +257,16 @@ def _check_covers(folder: str, cfg: ModelConfig, targets: dict, pieces: dict[str
         want = t.shape if p.first is None else (p.shape[0],) + t.shape[1:]
         if p.shape != want:
             raise CheckpointError(f"{folder}: array {p.key!r} has shape {list(p.shape)}, expected {list(want)}")
-        have[p.hf] = have.get(p.hf, 0) + (1 if p.first is None else p.shape[0])
-    missing = [hf for hf, t in targets.items() if have.get(hf, 0) != (t.shape[0] if is_expert(hf) else 1)]
-    if missing:
-        raise CheckpointError(f"{folder}: converted checkpoint lacks or repeats {len(missing)} array(s): "
-                              f"{sorted(missing)[:8]}")
+        first = 0 if p.first is None else p.first
+        spans.setdefault(p.hf, []).append((first, first + (1 if p.first is None and not t.shape else
+                                                            t.shape[0] if p.first is None else p.shape[0])))
+    bad = []
+    for hf, t in targets.items():
+        rows, at = sorted(spans.get(hf, [])), 0
+        for lo, hi in rows:
+            at = hi if lo == at else -1
+        if at != (t.shape[0] if t.shape else 1):
+            bad.append(hf)
+    if bad:
+        raise CheckpointError(f"{folder}: converted checkpoint lacks or repeats parts of {len(bad)} array(s): "
+                              f"{sorted(bad)[:8]}")

@@ -22,6 +22,9 @@ DTYPES = {
 }
 
 
+SAFETENSORS_DTYPES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder or file that cannot be read as DeepSeek-V4 weights."""
 

@@ -42,3 +42,35 @@ def test_unknown_naming_is_refused(load_case, tmp_path):
 
     with pytest.raises(ValueError, match="naming must be"):
         save_model(load_case("legacy"), tmp_path, naming="megatron")
+
+
+def test_streaming_shards_take_tensors_whole_or_in_row_blocks(tmp_path):
+    import pytest
+    from safetensors.numpy import load_file
+
+    from dsjax.checkpoint.save import StreamingShards
+
+    a = np.arange(24, dtype=np.float32).reshape(6, 4)
+    b = np.arange(10, dtype=np.int64)
+    c = np.ones((3, 2), dtype=np.uint8)
+    w = StreamingShards(tmp_path, [("a", a.dtype, a.shape), ("b", b.dtype, b.shape), ("c", c.dtype, c.shape)],
+                        max_shard_bytes=100)
+    with pytest.raises(ValueError, match="expected tensor 'a' next, got 'b'"):
+        w.write("b", b)
+    w.write("a", a[:4])
+    with pytest.raises(ValueError, match="'a' is not complete; got 'b'"):
+        w.write("b", b)
+    w.write("a", a[4:])
+    w.write("b", b)
+    with pytest.raises(ValueError, match="1 tensor"):
+        w.close()
+    w.write("c", c)
+    weight_map = w.close()
+    assert weight_map == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
+                          "c": "model-00002-of-00002.safetensors"}
+    first, second = load_file(tmp_path / weight_map["a"]), load_file(tmp_path / weight_map["b"])
+    np.testing.assert_array_equal(first["a"], a)
+    np.testing.assert_array_equal(second["b"], b)
+    np.testing.assert_array_equal(second["c"], c)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index == weight_map and not list(tmp_path.glob(".*"))
