@@ -250,3 +250,19 @@ def test_fp8_checkpoint_with_quantized_cache_through_the_cli(tmp_path, tiny_fp8_
         main(["generate", "--model", tiny_fp8_model_dir, "--input", inp, "--output", str(tmp_path / "x.jsonl"),
               "--kv-dtype", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_a_converted_checkpoint_generates_the_same_text(tmp_path, tiny_fp8_model_dir, capsys):
+    """`dsjax convert` output (Orbax, tokenizer copied) serves `dsjax generate` like its source."""
+    probe = [chat(f"c{i}", [{"role": "user", "content": text}], max_tokens=5, temperature=0,
+                  thinking={"type": "disabled"}) for i, text in enumerate(["Count to three", "Name a color"])]
+    inp = write_jsonl(tmp_path / "in.jsonl", probe)
+    converted = str(tmp_path / "converted")
+    assert main(["convert", tiny_fp8_model_dir, converted, "--quiet"]) == 0, capsys.readouterr().err
+    outs = []
+    for model in (tiny_fp8_model_dir, converted):
+        out = str(tmp_path / f"{len(outs)}.jsonl")
+        assert main(["generate", "--model", model, "--input", inp, "--output", out, "--max-batch", "2",
+                     "--max-len", "256", "--chunk-size", "64", "--dtype", "float32", "--quiet"]) == 0
+        outs.append(by_id(records(out)))
+    assert outs[0] == outs[1] and all(r["error"] is None for r in outs[1].values())
