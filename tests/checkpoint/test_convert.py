@@ -250,34 +250,33 @@ def test_bad_tensors_are_named_and_nothing_is_left(release, tmp_path, edit, mess
     assert_absent(tmp_path / "dst")
 
 
-def test_missing_shard_is_named(release, tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(release, src)
+def _unlink_shard(src: Path) -> str:
     shard = sorted(src.glob("model-*.safetensors"))[3]
     shard.unlink()
-    with pytest.raises(CheckpointError, match=rf"names shard\(s\) that do not exist.*{shard.name}"):
-        convert(src, tmp_path / "dst", progress=False)
-    assert_absent(tmp_path / "dst")
+    return rf"names shard\(s\) that do not exist.*{shard.name}"
 
 
-def test_truncated_shard_is_named(release, tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(release, src)
+def _truncate_shard(src: Path) -> str:
     shard = sorted(src.glob("model-*.safetensors"))[5]
     os.truncate(shard, shard.stat().st_size - 100)
-    with pytest.raises(CheckpointError, match=rf"{shard.name}: truncated.*cut off"):
-        convert(src, tmp_path / "dst", progress=False)
-    assert_absent(tmp_path / "dst")
+    return rf"{shard.name}: truncated.*cut off"
 
 
-def test_config_that_does_not_match_the_tensors_is_named(release, tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(release, src)
+def _mismatch_config(src: Path) -> str:
     config = json.loads((src / "config.json").read_text())
     config["moe_intermediate_size"] *= 2
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"model-\d+-of-\d+\.safetensors: tensor 'layers\.0\.ffn\.shared_experts\."
-                                              r"w1\.weight' has shape \[32, 64\], expected \[64, 64\]"):
+    return (r"model-\d+-of-\d+\.safetensors: tensor 'layers\.0\.ffn\.shared_experts\.w1\.weight' has shape "
+            r"\[32, 64\], expected \[64, 64\]")
+
+
+@pytest.mark.parametrize("breaker", [_unlink_shard, _truncate_shard, _mismatch_config])
+def test_broken_folders_are_named_and_nothing_is_left(release, tmp_path, breaker):
+    """A shard the index names but the folder lacks, a truncated shard, a config that does not fit."""
+    src = tmp_path / "src"
+    shutil.copytree(release, src)
+    message = breaker(src)
+    with pytest.raises(CheckpointError, match=message):
         convert(src, tmp_path / "dst", progress=False)
     assert_absent(tmp_path / "dst")
 
