@@ -39,7 +39,6 @@ from dsjax.model import DeepseekV4
 
 _BLOCK_BYTES = 256 << 20  # no array is larger: big tensors are stored in blocks of rows (experts)
 _FLUSH_BYTES = 256 << 20  # finished arrays are saved together once they add up to this
-_QUANTIZED_SOURCE = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8), np.dtype(np.uint8))
 _WEIGHT_FILES = ("model.safetensors.index.json", "config.json")
 
 
@@ -230,7 +229,8 @@ def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
     if weights == "bf16" and stored.quantization is not None:
         cfg = stored.replace(quantization=None)
         targets = _targets(cfg)
-        pieces = {k: _as_float(p, targets) for k, p in pieces.items() if p.hf in targets}
+        pieces = {k: _as_float(p, keep_targets[p.hf].quantized, targets) for k, p in pieces.items()
+                  if p.hf in targets}
         items = [Item(i.name, i.ref, i.start, i.scale, tuple(k for k in i.pieces if k in pieces)) for i in items]
     return Plan(src, raw, stored, cfg, weights, block, targets, items, pieces, store.rows, dropped)
 
@@ -240,11 +240,12 @@ def _targets(cfg: ModelConfig) -> dict[str, Target]:
     return targets_of(model_abs, list(nnx.to_flat_state(nnx.state(model_abs))))
 
 
-def _as_float(p: layout.Piece, targets: dict[str, Target]) -> layout.Piece:
+def _as_float(p: layout.Piece, quantized: bool, targets: dict[str, Target]) -> layout.Piece:
+    """An array of the stored layout as `weights="bf16"` writes it: quantized weights dequantized to bf16
+    in dsjax's float orientation, in the same blocks."""
     t = targets[p.hf]
     shape = t.shape if p.first is None else (p.shape[0],) + t.shape[1:]
-    dtype = np.dtype(ml_dtypes.bfloat16) if p.dtype in _QUANTIZED_SOURCE else p.dtype
-    return layout.Piece(p.key, p.hf, p.first, shape, dtype)
+    return layout.Piece(p.key, p.hf, p.first, shape, np.dtype(ml_dtypes.bfloat16) if quantized else p.dtype)
 
 
 def _check_index(src: str, refs: dict) -> None:
@@ -351,15 +352,21 @@ def _partial_save(params: str, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _read_journal(path: str) -> dict[str, dict]:
-    done = {}
+    """The arrays a previous run saved. A last line cut by a kill is cut off the file too, so that new
+    lines start clean; its array is saved again or found in the Orbax session."""
+    done, good = {}, 0
     if os.path.exists(path):
-        with open(path) as f:
+        with open(path, "rb") as f:
             for line in f:
                 try:
                     info = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by the kill: its save is retried (or found in the session)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    break
+                if not line.endswith(b"\n"):
+                    break
                 done[info["key"]] = info
+                good += len(line)
+        os.truncate(path, good)
     return done
 
 

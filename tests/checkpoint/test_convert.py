@@ -295,9 +295,11 @@ def test_verify_catches_a_corrupted_array(release, tmp_path):
 
 def test_cli_converts_refuses_to_overwrite_and_goes_back(release, tmp_path, capsys):
     dst = tmp_path / "dst"
-    assert main(["convert", str(release), str(dst), "--quiet", "--mesh", "ep=2"]) == 0
-    out = capsys.readouterr().out
-    assert "arrays" in out and "MB/s" in out and "peak RSS" in out
+    assert main(["convert", str(release), str(dst), "--mesh", "ep=2"]) == 0
+    captured = capsys.readouterr()
+    assert "arrays" in captured.out and "MB/s" in captured.out and "peak RSS" in captured.out
+    bar = captured.err.replace("\r", "\n").strip().splitlines()[-1]  # bytes done of total, rate, time left
+    assert bar.startswith("convert: 100%") and "B/s]" in bar and "<00:00" in bar
     assert main(["convert", str(release), str(dst), "--quiet"]) == 2
     assert "exists" in capsys.readouterr().err
     assert main(["convert", str(dst), str(tmp_path / "back"), "--to-hf", "--quiet", "--shard-mb", "0.05"]) == 0
@@ -339,3 +341,12 @@ def test_memory_does_not_grow_with_the_checkpoint(tmp_path):
     assert m["total"] > 200e6
     print(m)
     assert m["peak"] - m["warm"] < 0.25 * m["total"], m
+
+
+def test_a_journal_line_cut_by_a_kill_is_dropped_before_appending(tmp_path):
+    from dsjax.checkpoint.convert import _read_journal
+
+    path = tmp_path / "journal.jsonl"
+    path.write_text('{"key": "a", "sha256": "1"}\n{"key": "b", "sha256": "2"}\n{"key": "c", "sh')
+    assert list(_read_journal(str(path))) == ["a", "b"]
+    assert path.read_text() == '{"key": "a", "sha256": "1"}\n{"key": "b", "sha256": "2"}\n'
