@@ -54,37 +54,59 @@ class RoutedExperts(nnx.Module):
             setattr(self, name, nnx.Param(q))
             setattr(self, f"{name}_scale_inv", Buffer(s))
 
+    def stored(self, name: str) -> tuple[jax.Array, jax.Array | None]:
+        """`gate_up_proj` or `down_proj` as stored, with its scales (None for float experts)."""
+        scale = getattr(self, f"{name}_scale_inv")[...] if self.storage is not None else None
+        return getattr(self, name)[...], scale
+
     def expert_weights(self, name: str, dtype) -> jax.Array:
         """`gate_up_proj` or `down_proj` as `[E, in, out]` in `dtype`."""
-        w = getattr(self, name)[...]
-        if self.storage is None:
-            return w.astype(dtype)
-        s = getattr(self, f"{name}_scale_inv")[...]
-        if self.storage == "fp4":
-            w = dequantize_fp4(w, s, dtype)
-        else:
-            w = dequantize_fp8(w, s, dtype, tuple(self.cfg.quantization.weight_block_size))
-        return jnp.swapaxes(w, -1, -2)
+        return dense_experts(*self.stored(name), self.storage, self.cfg, dtype)
 
     def __call__(self, x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array) -> jax.Array:
         """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])`: pairs sorted by expert, two grouped matmuls."""
-        import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
+        return grouped_mlp(x_nh, weights_nk, idx_nk, self.expert_weights("gate_up_proj", x_nh.dtype),
+                           self.expert_weights("down_proj", x_nh.dtype), self.cfg)
 
-        n, k = idx_nk.shape
-        e = self.cfg.n_routed_experts
-        flat_e = idx_nk.reshape(-1)
-        order = jnp.argsort(flat_e, stable=True)
-        group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-        x_ph = jnp.take(x_nh, order // k, axis=0)
-        gate_up_p = tokamax.ragged_dot(x_ph, self.expert_weights("gate_up_proj", x_nh.dtype), group_sizes,
-                                       precision=precision(x_ph), preferred_element_type=x_nh.dtype)
-        inter = self.cfg.moe_intermediate_size
-        act_p = clamped_swiglu(gate_up_p[:, :inter], gate_up_p[:, inter:], self.cfg.swiglu_limit)
-        y_ph = tokamax.ragged_dot(act_p, self.expert_weights("down_proj", x_nh.dtype), group_sizes,
-                                  precision=precision(act_p), preferred_element_type=x_nh.dtype)
-        y_ph = y_ph * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
-        y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)
-        return jnp.sum(y_nkh, axis=1)
+
+def dense_experts(w: jax.Array, scale: jax.Array | None, storage: str | None, cfg: ModelConfig,
+                  dtype) -> jax.Array:
+    """Stacked expert weights as stored (float `[E, in, out]`, or FP8/FP4 `[E, out, in]` with scales)
+    → `[E, in, out]` in `dtype`. Works on any slice of the expert axis."""
+    if storage is None:
+        return w.astype(dtype)
+    if storage == "fp4":
+        w = dequantize_fp4(w, scale, dtype)
+    else:
+        w = dequantize_fp8(w, scale, dtype, tuple(cfg.quantization.weight_block_size))
+    return jnp.swapaxes(w, -1, -2)
+
+
+def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array, gate_up_eio: jax.Array,
+                down_eio: jax.Array, cfg: ModelConfig, first_expert: jax.Array | int = 0) -> jax.Array:
+    """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])` over the experts `[first_expert, first_expert + E')`
+    whose weights are given (E' = gate_up_eio.shape[0]); pairs routed elsewhere contribute nothing.
+    Pairs are sorted by expert (the others last) and run through two grouped matmuls, dropless."""
+    import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
+
+    n, k = idx_nk.shape
+    e_local = gate_up_eio.shape[0]
+    local_e = idx_nk.reshape(-1) - first_expert
+    mine = (local_e >= 0) & (local_e < e_local)
+    local_e = jnp.where(mine, local_e, e_local)  # routed elsewhere: sorted after every local group
+    order = jnp.argsort(local_e, stable=True)
+    group_sizes = jnp.bincount(local_e, length=e_local).astype(jnp.int32)
+    x_ph = jnp.take(x_nh, order // k, axis=0)
+    gate_up_p = tokamax.ragged_dot(x_ph, gate_up_eio, group_sizes, precision=precision(x_ph),
+                                   preferred_element_type=x_nh.dtype)
+    inter = cfg.moe_intermediate_size
+    act_p = clamped_swiglu(gate_up_p[:, :inter], gate_up_p[:, inter:], cfg.swiglu_limit)
+    y_ph = tokamax.ragged_dot(act_p, down_eio, group_sizes, precision=precision(act_p),
+                              preferred_element_type=x_nh.dtype)
+    y_ph = y_ph * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
+    y_ph = jnp.where(jnp.take(mine, order)[:, None], y_ph, 0)  # rows past the groups are not defined
+    y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)
+    return jnp.sum(y_nkh, axis=1)
 
 
 class SharedExpert(nnx.Module):

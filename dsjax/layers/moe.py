@@ -9,6 +9,7 @@ from flax import nnx
 from dsjax.config import HASH_MOE, ModelConfig
 from dsjax.layers.experts import RoutedExperts, SharedExpert
 from dsjax.layers.router import HashRouter, TopKRouter
+from dsjax.parallel.expert import expert_axis, routed_experts_parallel
 
 
 class MoE(nnx.Module):
@@ -23,7 +24,12 @@ class MoE(nnx.Module):
         b, s, h = x_bsh.shape
         x_nh = x_bsh.reshape(b * s, h)
         weights_nk, idx_nk = self.gate(x_nh, token_ids_bs.reshape(-1))
-        routed = self.experts(x_nh, weights_nk, idx_nk).reshape(b, s, h)
+        mesh = jax.sharding.get_abstract_mesh()
+        if expert_axis(mesh) is not None:
+            routed = routed_experts_parallel(self.experts, x_nh, weights_nk, idx_nk, mesh)
+        else:
+            routed = self.experts(x_nh, weights_nk, idx_nk)
+        routed = routed.reshape(b, s, h)
         if record is not None:
             record["expert_ids"] = idx_nk.reshape(b, s, -1)
             if isinstance(self.gate, TopKRouter):

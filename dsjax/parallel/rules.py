@@ -1,7 +1,8 @@
 """The one table from logical axis names to mesh axes, and the logical axes of each parameter.
 
-Only the routed experts are split so far (expert parallelism over `ep`); everything else is
-replicated. Parallelism work adds tensor- and data-parallel rules here and nowhere else.
+Parameters: only the routed experts are split so far (expert parallelism over `ep`); everything else
+is replicated. Activations: the tokens entering the MoE are split over every data and expert device.
+Parallelism work adds tensor- and data-parallel rules here and nowhere else.
 """
 
 from __future__ import annotations
@@ -10,10 +11,18 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 # logical axis → mesh axis (None: replicated)
-RULES: dict[str, str | None] = {
+RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,  # the stacked-layer axis of a layer group
-    "expert": "ep",
+    "expert": "ep",  # routed experts
+    "tokens": ("dp", "ep"),  # tokens entering the MoE: attention is data-parallel over every device
 }
+
+
+def mesh_axes(mesh, logical: str) -> tuple[str, ...]:
+    """The axes of `mesh` (of size > 1) that `logical` maps to."""
+    axes = RULES.get(logical)
+    axes = (axes,) if isinstance(axes, str) else axes or ()
+    return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
 
 _EXPERT_LEAVES = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
 
@@ -29,6 +38,5 @@ def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
 
 def param_sharding(mesh: jax.sharding.Mesh, path: tuple, ndim: int) -> NamedSharding:
     """Where the variable at `path` lives on `mesh`, by RULES."""
-    spec = [RULES.get(a) if a else None for a in logical_axes(path, ndim)]
-    spec = [a if a in mesh.axis_names and mesh.shape[a] > 1 else None for a in spec]
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    spec = [mesh_axes(mesh, a) if a else () for a in logical_axes(path, ndim)]
+    return NamedSharding(mesh, PartitionSpec(*[a[0] if len(a) == 1 else (a or None) for a in spec]))
