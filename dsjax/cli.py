@@ -48,7 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(missing)} required (or --demo)")
     cfg = JobConfig(model=args.model, input=args.input, output=args.output, max_batch=args.max_batch,
                     max_len=args.max_len, chunk_size=args.chunk_size, dtype=args.dtype, weights=args.weights,
-                    kv_dtype=args.kv_dtype, seed=args.seed,
+                    kv_dtype=args.kv_dtype, seed=args.seed, mesh=args.mesh,
                     progress=not args.quiet)
     try:
         s = run_job(cfg)
@@ -102,6 +102,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"],
                    help="cache storage of K=V rows (default: --dtype); fp8/fp4 keep the rotary part in bf16 "
                         "and the indexer's keys in fp8 (docs/quantization.md)")
+    p.add_argument("--mesh", help="run sharded over the visible devices, e.g. 'ep=8' or 'dp=2,ep=4': routed "
+                   "experts split over ep (expert parallelism); sizes must multiply to the device count")
     p.add_argument("--seed", type=int, default=0,
                    help="job seed: requests that set no seed draw from it and their custom_id")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -7,6 +7,7 @@ and a summary JSON next to it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -15,6 +16,7 @@ import os
 import time
 from typing import Any, Iterator
 
+import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
@@ -41,6 +43,7 @@ class JobConfig:
     weights: str = "keep"  # FP8/FP4 checkpoints: "keep" them so on the device, or "bf16": dequantize at load
     kv_dtype: str | None = None  # cache rows: None (= dtype), "bfloat16", "fp8" or "fp4"
     seed: int = 0
+    mesh: str | None = None  # e.g. "dp=2,ep=4": routed experts split over ep (dsjax.parallel)
     window: int = 256  # requests read ahead and ordered longest prompt first
     progress: bool = True
 
@@ -71,6 +74,14 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         raise JobError(f"kv_dtype must be one of {KV_DTYPES}, got {cfg.kv_dtype!r}")
     if cfg.max_batch < 1 or cfg.max_len < 2 or cfg.chunk_size < 1:
         raise JobError("max_batch and chunk_size must be >= 1 and max_len >= 2")
+    mesh = None
+    if cfg.mesh:
+        from dsjax.parallel.mesh import make_mesh
+
+        try:
+            mesh = make_mesh(cfg.mesh)
+        except ValueError as e:
+            raise JobError(str(e)) from None
     check_readable(cfg.input)
     tokenizer = os.path.join(cfg.model, "tokenizer.json")
     if not os.path.isfile(tokenizer):
@@ -81,19 +92,20 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     timer = StepTimer()
     interrupted = False
     try:
-        model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights)
+        model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights, mesh=mesh)
         context = min(cfg.max_len, model.cfg.max_position_embeddings)
         recipe = Recipe(tokenizer, context, model.cfg.eos_token_id)
-        engine = Engine(model, num_slots=cfg.max_batch, max_len=context, chunk_size=min(cfg.chunk_size, context),
-                        kv_dtype=cfg.kv_dtype)
-        total = _count_lines(cfg.input)
-        bar = tqdm(total=total, disable=not cfg.progress, unit="req", dynamic_ncols=True)
-        t_loop = time.perf_counter()
-        try:
-            _run(cfg, engine, recipe, results, stats, timer, bar, t_start)
-        finally:
-            bar.close()
-            stats["loop_seconds"] = time.perf_counter() - t_loop
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            engine = Engine(model, num_slots=cfg.max_batch, max_len=context,
+                            chunk_size=min(cfg.chunk_size, context), kv_dtype=cfg.kv_dtype)
+            total = _count_lines(cfg.input)
+            bar = tqdm(total=total, disable=not cfg.progress, unit="req", dynamic_ncols=True)
+            t_loop = time.perf_counter()
+            try:
+                _run(cfg, engine, recipe, results, stats, timer, bar, t_start)
+            finally:
+                bar.close()
+                stats["loop_seconds"] = time.perf_counter() - t_loop
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -88,7 +88,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     missing or mis-shaped tensors raise a CheckpointError naming the tensor and its file. A folder made
     by `dsjax convert` (Orbax) is read layer by layer straight onto the devices: onto `mesh` (a
     jax Mesh with axes dp/ep/tp, or a spec such as "ep=8", see `dsjax.parallel`) each device receiving only
-    its slice of each array; safetensors folders load onto one device (`mesh` must be None).
+    its slice of each array; a safetensors folder is loaded onto one device and then placed on `mesh`.
     """
     if weights not in ("keep", "bf16"):
         raise ValueError(f"weights must be 'keep' or 'bf16', got {weights!r}")
@@ -108,8 +108,10 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
         mesh = make_mesh(mesh)
     if converted.is_converted(folder):
         return converted.load_converted(folder, dtype, weights, mesh)
-    if mesh is not None:
-        raise ValueError(f"{folder} is a safetensors checkpoint: convert it (dsjax convert) to load it onto a mesh")
+    if mesh is not None:  # whole on one device first: fine for small models; convert large ones
+        from dsjax.parallel.shard import shard_model
+
+        return shard_model(load_model(folder, dtype, weights), mesh)
     with open(cfg_path) as f:
         raw = json.load(f)
     stored = ModelConfig.from_hf(raw)

@@ -266,3 +266,21 @@ def test_a_converted_checkpoint_generates_the_same_text(tmp_path, tiny_fp8_model
                      "--max-len", "256", "--chunk-size", "64", "--dtype", "float32", "--quiet"]) == 0
         outs.append(by_id(records(out)))
     assert outs[0] == outs[1] and all(r["error"] is None for r in outs[1].values())
+
+
+def test_mesh_runs_the_job_expert_parallel_with_the_same_text(tmp_path, tiny_model_dir, capsys):
+    """`--mesh dp=2,ep=4` on the 8 test devices: the experts are split, the greedy text is unchanged."""
+    probe = [chat(f"m{i}", [{"role": "user", "content": text}], max_tokens=6, temperature=0,
+                  thinking={"type": "disabled"}) for i, text in enumerate(["Count to three", "Name a color", "Hi"])]
+    inp = write_jsonl(tmp_path / "in.jsonl", probe)
+    outs = []
+    for mesh in ([], ["--mesh", "dp=2,ep=4"]):
+        out = str(tmp_path / f"{len(outs)}.jsonl")
+        assert main(["generate", "--model", tiny_model_dir, "--input", inp, "--output", out, "--max-batch", "4",
+                     "--max-len", "256", "--chunk-size", "64", "--dtype", "float32", "--quiet", *mesh]) == 0
+        outs.append(by_id(records(out)))
+    assert outs[0] == outs[1]
+    assert json.load(open(summary_path(out)))["config"]["mesh"] == "dp=2,ep=4"
+    assert main(["generate", "--model", tiny_model_dir, "--input", inp, "--output", str(tmp_path / "x.jsonl"),
+                 "--mesh", "ep=3"]) == 2
+    assert "needs 3 devices; 8 are available" in capsys.readouterr().err
