@@ -99,6 +99,14 @@ class Engine:
         return cache, out
 
 
+def _for_host(tree):
+    """What the host reads back (sampled tokens, cache lengths), replicated over the context mesh, so that
+    every process of a multi-host run holds it whole. A no-op without a mesh."""
+    if not jax.sharding.get_abstract_mesh().axis_names:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec()), tree)
+
+
 def _expand(mask_b, like):
     return mask_b.reshape(mask_b.shape + (1,) * (like.ndim - 1))
 
@@ -109,7 +117,8 @@ def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling):
     start_b = cache.lengths
     hidden_b1h, cache = model.extend(last_tokens_b[:, None], cache, start_b, active_b.astype(jnp.int32))
     logits_bv = model.logits(hidden_b1h)[:, 0]
-    return cache, sample(logits_bv, sampling, start_b + 1)
+    cache = Cache(lengths=_for_host(cache.lengths), groups=cache.groups)
+    return cache, _for_host(sample(logits_bv, sampling, start_b + 1))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -120,4 +129,6 @@ def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, 
     last = jnp.clip(n_valid_n - 1, 0, tokens_nc.shape[1] - 1)
     hidden_nh = jnp.take_along_axis(hidden_nch, last[:, None, None], axis=1)
     logits_nv = model.logits(hidden_nh)[:, 0]
-    return put_slots(cache, part, slots_n), sample(logits_nv, sampling, start_n + n_valid_n)
+    cache = put_slots(cache, part, slots_n)
+    cache = Cache(lengths=_for_host(cache.lengths), groups=cache.groups)
+    return cache, _for_host(sample(logits_nv, sampling, start_n + n_valid_n))

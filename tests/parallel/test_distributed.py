@@ -1,0 +1,50 @@
+"""Two processes on localhost, 4 CPU devices each, run the sharded forward and decode of a converted
+checkpoint and agree with one process."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+import dsjax
+from dsjax import SamplingParams, generate
+from dsjax.checkpoint.convert import convert
+from tests.helpers import assert_close
+
+ROOT = Path(__file__).resolve().parents[2]
+IDS = [[5, 17, 300, 2, 41, 99, 7, 260, 3, 11, 480], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+PROMPTS = [[5, 17, 300, 2], [7, 9], [11, 12, 13], [1]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_agree_with_one(release, tmp_path):
+    checkpoint = tmp_path / "orbax"
+    convert(release, checkpoint, ep=4, progress=False)
+    port, out = str(_free_port()), str(tmp_path / "out")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.distributed_worker", str(pid), port,
+                               str(checkpoint), out], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for pid in (0, 1)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=600)[0])
+        finally:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+
+    model = dsjax.load_model(release)
+    want_logits = np.asarray(model(jnp.asarray(IDS)))
+    want_tokens = [r.tokens for r in generate(model, PROMPTS, SamplingParams(temperature=0.0, max_tokens=16),
+                                              max_batch=4)]
+    for pid in (0, 1):
+        assert_close(np.load(f"{out}.{pid}.npy"), want_logits, rtol=1e-5)
+        assert json.loads(Path(f"{out}.{pid}.json").read_text()) == want_tokens
