@@ -49,9 +49,19 @@ class Engine:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
         self.graphdef, self.params = nnx.split(model)
+        # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
+        # context once, so every step would be traced again by the next engine. Import it before.
+        import tokamax  # noqa: F401
 
     def new_cache(self) -> Cache:
-        return init_cache(self.model, self.num_slots, self.max_len, self.cache_dtype, self.kv_dtype)
+        """An empty cache; under `jax.set_mesh` each device holds the slots the rules give it."""
+        make = functools.partial(init_cache, self.model, self.num_slots, self.max_len, self.cache_dtype,
+                                 self.kv_dtype)
+        mesh = jax.sharding.get_mesh()
+        if not mesh.axis_names:
+            return make()
+        specs = _cache_specs(jax.eval_shape(make))
+        return jax.jit(make, out_shardings=jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), specs))()
 
     @staticmethod
     def compilations() -> int:
@@ -99,6 +109,25 @@ class Engine:
         return cache, out
 
 
+def _cache_specs(cache: Cache):
+    """Partition specs of the cache on the context mesh: slots split by the rules (axis 1 of the group
+    arrays, under the stacked-layer axis); the lengths replicated, since the host reads them."""
+    from dsjax.parallel.rules import slot_axes
+
+    axes = slot_axes(jax.sharding.get_abstract_mesh(), cache.lengths.shape[0])
+    slots = axes[0] if len(axes) == 1 else (axes or None)
+    return Cache(lengths=jax.sharding.PartitionSpec(),
+                 groups=jax.tree.map(lambda x: jax.sharding.PartitionSpec(None, slots), cache.groups))
+
+
+def _constrain(cache: Cache) -> Cache:
+    """The cache a step returns, laid out as it came in (so donation reuses the buffers and the next
+    step sees the same shardings); the lengths replicated for the host. A no-op without a mesh."""
+    if not jax.sharding.get_abstract_mesh().axis_names:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, _cache_specs(cache))
+
+
 def _for_host(tree):
     """What the host reads back (sampled tokens, cache lengths), replicated over the context mesh, so that
     every process of a multi-host run holds it whole. A no-op without a mesh."""
@@ -117,8 +146,7 @@ def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling):
     start_b = cache.lengths
     hidden_b1h, cache = model.extend(last_tokens_b[:, None], cache, start_b, active_b.astype(jnp.int32))
     logits_bv = model.logits(hidden_b1h)[:, 0]
-    cache = Cache(lengths=_for_host(cache.lengths), groups=cache.groups)
-    return cache, _for_host(sample(logits_bv, sampling, start_b + 1))
+    return _constrain(cache), _for_host(sample(logits_bv, sampling, start_b + 1))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -130,5 +158,4 @@ def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, 
     hidden_nh = jnp.take_along_axis(hidden_nch, last[:, None, None], axis=1)
     logits_nv = model.logits(hidden_nh)[:, 0]
     cache = put_slots(cache, part, slots_n)
-    cache = Cache(lengths=_for_host(cache.lengths), groups=cache.groups)
-    return cache, _for_host(sample(logits_nv, sampling, start_n + n_valid_n))
+    return _constrain(cache), _for_host(sample(logits_nv, sampling, start_n + n_valid_n))

@@ -1,11 +1,14 @@
 """The one table from logical axis names to mesh axes, and the logical axes of each parameter.
 
 Parameters: only the routed experts are split so far (expert parallelism over `ep`); everything else
-is replicated. Activations: the tokens entering the MoE are split over every data and expert device.
+is replicated. Activations: the tokens entering the MoE are split over every data and expert device,
+and so are the cache's slots (data-parallel attention).
 Parallelism work adds tensor- and data-parallel rules here and nowhere else.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -15,6 +18,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,  # the stacked-layer axis of a layer group
     "expert": "ep",  # routed experts
     "tokens": ("dp", "ep"),  # tokens entering the MoE: attention is data-parallel over every device
+    "slots": ("dp", "ep"),  # the cache's sequences: each device keeps the cache of its own slots
 }
 
 
@@ -25,6 +29,16 @@ def mesh_axes(mesh, logical: str) -> tuple[str, ...]:
     return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
 
 _EXPERT_LEAVES = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+
+
+def slot_axes(mesh, num_slots: int) -> tuple[str, ...]:
+    """The mesh axes the cache's slot axis splits over: those of the "slots" rule, as many (in order) as
+    evenly divide `num_slots`; a slot count no axis divides stays replicated."""
+    chosen: list[str] = []
+    for a in mesh_axes(mesh, "slots"):
+        if num_slots % (math.prod(mesh.shape[c] for c in chosen) * mesh.shape[a]) == 0:
+            chosen.append(a)
+    return tuple(chosen)
 
 
 def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:

@@ -84,3 +84,22 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
     mesh = make_mesh("dp=2,ep=4")
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"expert axis \(4\) must divide n_routed_experts \(6\)"):
         forward(model, IDS)
+
+
+def test_cache_slots_are_split_and_decoding_does_not_recompile(model):
+    """Data-parallel attention: each device holds the cache of its own slots; the steps keep that layout,
+    so the decode loop reuses its programs."""
+    from dsjax.engine.steps import Engine
+
+    mesh = make_mesh("dp=2,ep=4")
+    sharded = shard_model(model, mesh)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    with jax.set_mesh(mesh):
+        cache = Engine(sharded, num_slots=8, max_len=64, chunk_size=16).new_cache()
+        leaf = jax.tree.leaves(cache.groups)[0]
+        assert leaf.sharding.spec[:2] == (None, ("dp", "ep")) and leaf.addressable_shards[0].data.shape[1] == 1
+        assert cache.lengths.sharding.is_fully_replicated
+        generate(sharded, [[5, 6, 7]] * 8, params, max_batch=8)
+        warm = Engine.compilations()
+        out = generate(sharded, [[9, 8, 7]] * 3 + [[1, 2, 3]] * 5, params, max_batch=8)  # same shapes
+        assert Engine.compilations() == warm and all(len(r.tokens) == 12 for r in out)
