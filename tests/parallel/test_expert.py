@@ -25,6 +25,15 @@ def model():
     return dsjax.DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(3), dtype=jnp.float32)
 
 
+PROMPTS = [[5, 17, 300, 2], [7, 9], [11, 12, 13], [1]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def one_device_tokens(model):
+    return [r.tokens for r in generate(model, PROMPTS, GREEDY, max_batch=4)]
+
+
 def forward(model, ids):
     return nnx.jit(lambda m, x: m(x))(model, ids)
 
@@ -37,15 +46,12 @@ def test_logits_equal_one_device(model, spec):
     assert_close(np.asarray(out), np.asarray(forward(model, IDS)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["ep=8", "dp=2,ep=4"])
-def test_greedy_decode_equals_one_device(model, spec):
-    prompts = [[5, 17, 300, 2], [7, 9], [11, 12, 13], [1]]
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    want = [r.tokens for r in generate(model, prompts, params, max_batch=4)]
+@pytest.mark.parametrize("spec", ["dp=8", "ep=8", "dp=2,ep=4", "dp=4,tp=2", "dp=2,ep=2,tp=2"])
+def test_greedy_decode_equals_one_device(model, one_device_tokens, spec):
     mesh = make_mesh(spec)
     with jax.set_mesh(mesh):
-        got = [r.tokens for r in generate(shard_model(model, mesh), prompts, params, max_batch=4)]
-    assert got == want and all(len(t) == 32 for t in got)
+        got = [r.tokens for r in generate(shard_model(model, mesh), PROMPTS, GREEDY, max_batch=4)]
+    assert got == one_device_tokens and all(len(t) == 32 for t in got)
 
 
 def test_fp4_experts_split_over_the_expert_axis(model):
