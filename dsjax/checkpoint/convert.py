@@ -21,21 +21,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
 from orbax.checkpoint import v1 as ocp
 from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import PartialSaveReplacementError
 
 from dsjax.checkpoint import converted as layout
-from dsjax.checkpoint.load import (Target, check_complete, check_scales_declared, pair_scales, place,
-                                   targets_of)
+from dsjax.checkpoint.load import (Target, abstract_model, check_complete, check_scales_declared,
+                                   pair_scales, place)
 from dsjax.checkpoint.safetensors_io import (CheckpointError, TensorRef, checkpoint_files, read_header,
                                              read_tensor, tensor_dtype)
 from dsjax.checkpoint.save import StreamingShards, hf_value, original_names
 from dsjax.config import ModelConfig
-from dsjax.model import DeepseekV4
 
 _BLOCK_BYTES = 256 << 20  # no array is larger: big tensors are stored in blocks of rows (experts)
 _FLUSH_BYTES = 256 << 20  # finished arrays are saved together once they add up to this
@@ -208,7 +205,7 @@ def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
 
     # Checks run against the stored (quantized) layout, where nothing is dequantized; weights="bf16"
     # then maps its arrays to their float form.
-    keep_targets = _targets(stored)
+    keep_targets = abstract_model(stored)[2]
     block = _expert_block(stored, keep_targets, ep)
     store, filled, items, dropped = _Store(block), set(), [], []
     order = sorted(tensors, key=lambda n: (tensors[n][0], tensors[n][1][0].begin))
@@ -228,16 +225,11 @@ def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
     cfg, targets = stored, keep_targets
     if weights == "bf16" and stored.quantization is not None:
         cfg = stored.replace(quantization=None)
-        targets = _targets(cfg)
+        targets = abstract_model(cfg)[2]
         pieces = {k: _as_float(p, keep_targets[p.hf].quantized, targets) for k, p in pieces.items()
                   if p.hf in targets}
         items = [Item(i.name, i.ref, i.start, i.scale, tuple(k for k in i.pieces if k in pieces)) for i in items]
     return Plan(src, raw, stored, cfg, weights, block, targets, items, pieces, store.rows, dropped)
-
-
-def _targets(cfg: ModelConfig) -> dict[str, Target]:
-    model_abs = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
-    return targets_of(model_abs, list(nnx.to_flat_state(nnx.state(model_abs))))
 
 
 def _as_float(p: layout.Piece, quantized: bool, targets: dict[str, Target]) -> layout.Piece:

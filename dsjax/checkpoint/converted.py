@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from orbax.checkpoint import v1 as ocp
 
-from dsjax.checkpoint.load import targets_of
+from dsjax.checkpoint.load import abstract_model
 from dsjax.checkpoint.names import TRANSPOSED_LEAVES
 from dsjax.checkpoint.safetensors_io import CheckpointError
 from dsjax.config import ModelConfig
@@ -149,11 +149,8 @@ def load_converted(folder: str, dtype=jnp.float32, weights: str = "keep", mesh=N
         stored = ModelConfig.from_hf(json.load(f))
     if weights == "bf16" and stored.quantization is not None:
         return dequantize_model(load_converted(folder, dtype, "keep", mesh), dtype)
-    model_abs = nnx.eval_shape(lambda: DeepseekV4(stored, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, state = nnx.split(model_abs)
-    flat = list(nnx.to_flat_state(state))
+    graphdef, flat, targets = abstract_model(stored, dtype)
     variables = dict(flat)
-    targets = targets_of(model_abs, flat)
     pieces = pieces_of(man)
     _check_covers(folder, stored, targets, pieces)
     params = os.path.join(folder, PARAMS)

@@ -56,6 +56,14 @@ def targets_of(model_abs: DeepseekV4, flat: list) -> dict[str, Target]:
     return out
 
 
+def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16):
+    """(graphdef, flat state of ShapeDtypeStructs, HF name → Target) of a `cfg` model, nothing allocated."""
+    model_abs = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(model_abs)
+    flat = list(nnx.to_flat_state(state))
+    return graphdef, flat, targets_of(model_abs, flat)
+
+
 def pair_scales(tensors: dict):
     """{name: (file, x)} → (the same without scales, {weight name: (scale name, file, x)}): the FP8/FP4
     scales, keyed by the weight they scale: `X.scale` (original names) goes with `X.weight`,
@@ -117,11 +125,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     stored = ModelConfig.from_hf(raw)
     cfg = stored if weights == "keep" else stored.replace(quantization=None)
 
-    model_abs = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, state = nnx.split(model_abs)
-    flat = list(nnx.to_flat_state(state))
+    graphdef, flat, targets = abstract_model(cfg, dtype)
     variables = dict(flat)
-    targets = targets_of(model_abs, flat)
     arrays: dict[tuple, np.ndarray] = {}
     filled: set = set()
 

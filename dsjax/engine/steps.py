@@ -17,6 +17,7 @@ from flax import nnx
 
 from dsjax.cache import Cache, init_cache
 from dsjax.engine.sampling import Sampled, SamplingArrays, sample
+from dsjax.parallel.rules import slot_axes
 from dsjax.quant import KV_DTYPES
 
 
@@ -112,8 +113,6 @@ class Engine:
 def _cache_specs(cache: Cache):
     """Partition specs of the cache on the context mesh: slots split by the rules (axis 1 of the group
     arrays, under the stacked-layer axis); the lengths replicated, since the host reads them."""
-    from dsjax.parallel.rules import slot_axes
-
     axes = slot_axes(jax.sharding.get_abstract_mesh(), cache.lengths.shape[0])
     slots = axes[0] if len(axes) == 1 else (axes or None)
     return Cache(lengths=jax.sharding.PartitionSpec(),

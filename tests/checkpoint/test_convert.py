@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
