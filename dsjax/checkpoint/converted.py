@@ -165,7 +165,7 @@ def load_converted(folder: str, dtype=jnp.float32, weights: str = "keep", mesh=N
             else:
                 from dsjax.parallel.rules import param_sharding
 
-                sharding = param_sharding(mesh, path, len(sds.shape))
+                sharding = param_sharding(mesh, path, variables[path])
             placed[path] = _Placed(tuple(sds.shape), np.dtype(sds.dtype), sharding)
         return placed[path]
 

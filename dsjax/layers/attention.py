@@ -53,14 +53,16 @@ class Attention(nnx.Module):
         q = cfg.quantization
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, rngs=rngs, dtype=dtype, quant=q)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = Linear(cfg.q_lora_rank, nh * d, rngs=rngs, dtype=dtype, quant=q)
+        # Tensor parallelism splits the query heads: q_b's rows, the sinks, and the output projection's
+        # groups (o_a's rows, o_b's columns), so attention needs no gather until o_b's sum.
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * d, rngs=rngs, dtype=dtype, quant=q, axes=("heads", None))
         self.kv_proj = Linear(cfg.hidden_size, d, rngs=rngs, dtype=dtype, quant=q)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.o_a_proj = GroupedLinear(nh * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups,
-                                      rngs=rngs, dtype=dtype, quant=q)
+                                      rngs=rngs, dtype=dtype, quant=q, axes=("heads", None))
         self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, rngs=rngs, dtype=dtype,
-                               quant=q)
-        self.sinks = nnx.Param(jnp.zeros((nh,), jnp.float32))
+                               quant=q, axes=("embed", "heads"))
+        self.sinks = nnx.Param(jnp.zeros((nh,), jnp.float32), axes=("heads",))
         compressors = {SLIDING: None, CSA: CSACompressor, HCA: HCACompressor}
         cls = compressors[attention_type]
         self.compressor = None if cls is None else cls(cfg, rngs=rngs, dtype=dtype)

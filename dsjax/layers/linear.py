@@ -34,14 +34,17 @@ def quantize_weight(w, quant: QuantConfig):
 class _StoredWeight(nnx.Module):
     """A `[out, in]` weight kept either in a float dtype or as FP8 blocks with scales."""
 
-    def _init_weight(self, rngs, shape, dtype, std, quant: QuantConfig | None):
+    def _init_weight(self, rngs, shape, dtype, std, quant: QuantConfig | None, axes):
+        """`axes`: the logical names of (out, in), for the sharding rules (None: replicated); the block
+        scales' grid carries the same names."""
         self.block = None if quant is None else tuple(quant.weight_block_size)
+        meta = {} if axes is None else {"axes": tuple(axes)}
         if quant is None:
-            self.weight = nnx.Param(_normal(rngs, shape, dtype, std))
+            self.weight = nnx.Param(_normal(rngs, shape, dtype, std), **meta)
             return
         q, s = quantize_weight(_normal(rngs, shape, jnp.float32, std), quant)
-        self.weight = nnx.Param(q)
-        self.weight_scale_inv = Buffer(s)
+        self.weight = nnx.Param(q, **meta)
+        self.weight_scale_inv = Buffer(s, **meta)
 
     def dense_weight(self, dtype) -> jax.Array:
         """The weight in `dtype` (dequantized in fp32 then cast, as the reference does at load)."""
@@ -54,9 +57,11 @@ class Linear(_StoredWeight):
     """`y = x·Wᵀ (+ b)` with W `[out, in]`; computed in the input dtype."""
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 bias: bool = False, std: float = 0.02, quant: QuantConfig | None = None):
-        self._init_weight(rngs, (out_features, in_features), dtype, std, quant)
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+                 bias: bool = False, std: float = 0.02, quant: QuantConfig | None = None,
+                 axes: tuple[str | None, str | None] | None = None):
+        self._init_weight(rngs, (out_features, in_features), dtype, std, quant, axes)
+        meta = {} if axes is None else {"axes": tuple(axes[:1])}
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype), **meta) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
@@ -71,9 +76,10 @@ class GroupedLinear(_StoredWeight):
     FP8 blocks tile the stored 2-D weight, as the reference's per-group view of them does."""
 
     def __init__(self, in_per_group: int, out_features: int, groups: int, *, rngs: nnx.Rngs,
-                 dtype=jnp.float32, std: float = 0.02, quant: QuantConfig | None = None):
+                 dtype=jnp.float32, std: float = 0.02, quant: QuantConfig | None = None,
+                 axes: tuple[str | None, str | None] | None = None):
         self.groups = groups
-        self._init_weight(rngs, (out_features, in_per_group), dtype, std, quant)
+        self._init_weight(rngs, (out_features, in_per_group), dtype, std, quant, axes)
 
     def __call__(self, x_bsgi: jax.Array) -> jax.Array:
         w = self.dense_weight(x_bsgi.dtype)

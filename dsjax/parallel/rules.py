@@ -1,9 +1,12 @@
-"""The one table from logical axis names to mesh axes, and the logical axes of each parameter.
+"""The one table from logical axis names to mesh axes.
 
-Parameters: only the routed experts are split so far (expert parallelism over `ep`); everything else
-is replicated. Activations: the tokens entering the MoE are split over every data and expert device,
-and so are the cache's slots (data-parallel attention).
-Parallelism work adds tensor- and data-parallel rules here and nowhere else.
+Modules declare what their variables' axes mean, as `axes=` metadata on the variable (`nnx.Param(w,
+axes=("heads", None))`); a variable without it is small and replicated. Stacked layer groups add a
+leading "layers" axis. Nothing outside this file names a mesh axis for a parameter or a cache array.
+
+Parameters: routed experts split over `ep`; query heads (and what carries them: the sinks, the grouped
+output projection) and the expert FFN width split over `tp`. Activations: the tokens entering the MoE
+are split over every data and expert device, and so are the cache's slots (data-parallel attention).
 """
 
 from __future__ import annotations
@@ -17,40 +20,66 @@ from jax.sharding import NamedSharding, PartitionSpec
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,  # the stacked-layer axis of a layer group
     "expert": "ep",  # routed experts
+    "heads": "tp",  # attention query heads, and the output projection's groups that carry them
+    "ffn": "tp",  # the FFN width (moe_intermediate_size) of the routed and the shared experts
+    "embed": None,  # the hidden size
     "tokens": ("dp", "ep"),  # tokens entering the MoE: attention is data-parallel over every device
     "slots": ("dp", "ep"),  # the cache's sequences: each device keeps the cache of its own slots
 }
 
+Axes = tuple[str | None, ...]
 
-def mesh_axes(mesh, logical: str) -> tuple[str, ...]:
+
+def mesh_axes(mesh, logical: str | None) -> tuple[str, ...]:
     """The axes of `mesh` (of size > 1) that `logical` maps to."""
-    axes = RULES.get(logical)
+    axes = RULES.get(logical) if logical else None
     axes = (axes,) if isinstance(axes, str) else axes or ()
     return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
-
-_EXPERT_LEAVES = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
 
 
 def slot_axes(mesh, num_slots: int) -> tuple[str, ...]:
     """The mesh axes the cache's slot axis splits over: those of the "slots" rule, as many (in order) as
     evenly divide `num_slots`; a slot count no axis divides stays replicated."""
+    return _dividing(mesh, mesh_axes(mesh, "slots"), num_slots)
+
+
+def _dividing(mesh, axes: tuple[str, ...], size: int) -> tuple[str, ...]:
     chosen: list[str] = []
-    for a in mesh_axes(mesh, "slots"):
-        if num_slots % (math.prod(mesh.shape[c] for c in chosen) * mesh.shape[a]) == 0:
+    for a in axes:
+        if size % (math.prod(mesh.shape[c] for c in chosen) * mesh.shape[a]) == 0:
             chosen.append(a)
     return tuple(chosen)
 
 
-def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
-    """Logical names of the axes of the dsjax variable at state path `path`."""
-    stacked = path[0] == "groups"
-    lead = ("layers",) if stacked else ()
-    if len(path) >= 2 and path[-2] == "experts" and path[-1] in _EXPERT_LEAVES:
-        return lead + ("expert",) + (None,) * (ndim - len(lead) - 1)
-    return lead + (None,) * (ndim - len(lead))
+def declared_axes(var) -> Axes | None:
+    """The logical axes a module declared for the variable `var` (None: none declared)."""
+    return var.get_metadata().get("axes")
 
 
-def param_sharding(mesh: jax.sharding.Mesh, path: tuple, ndim: int) -> NamedSharding:
-    """Where the variable at `path` lives on `mesh`, by RULES."""
-    spec = [mesh_axes(mesh, a) if a else () for a in logical_axes(path, ndim)]
-    return NamedSharding(mesh, PartitionSpec(*[a[0] if len(a) == 1 else (a or None) for a in spec]))
+def logical_axes(path: tuple, var) -> Axes:
+    """Logical names of the axes of the dsjax variable `var` at state path `path` (stacked layer groups
+    add "layers" in front of what the module declared)."""
+    ndim = len(var.get_value().shape)
+    lead = ("layers",) if path[0] == "groups" else ()
+    declared = declared_axes(var)
+    axes = lead + (tuple(declared) if declared is not None else (None,) * (ndim - len(lead)))
+    if len(axes) != ndim:
+        raise ValueError(f"variable {'.'.join(map(str, path))} has {ndim} axes but declares {axes}")
+    return axes
+
+
+def spec_of(mesh, axes: Axes, shape: tuple[int, ...]) -> PartitionSpec:
+    """The partition of an array of `shape` whose axes are `axes`: each axis over the mesh axes its rule
+    names that divide it evenly (an axis they do not divide stays whole)."""
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(axes, shape):
+        chosen = _dividing(mesh, tuple(a for a in mesh_axes(mesh, name) if a not in used), size)
+        used |= set(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    return PartitionSpec(*spec)
+
+
+def param_sharding(mesh: jax.sharding.Mesh, path: tuple, var) -> NamedSharding:
+    """Where the variable `var` at state path `path` lives on `mesh`, by RULES."""
+    return NamedSharding(mesh, spec_of(mesh, logical_axes(path, var), tuple(var.get_value().shape)))
