@@ -45,14 +45,16 @@ class RoutedExperts(nnx.Module):
         self.cfg = cfg
         quant = cfg.quantization
         self.storage = None if quant is None else quant.expert_dtype
-        for name, (d_in, d_out) in (("gate_up_proj", (h, 2 * i)), ("down_proj", (i, h))):
+        for name, (d_in, d_out), axes_io in (("gate_up_proj", (h, 2 * i), ("embed", "ffn")),
+                                             ("down_proj", (i, h), ("ffn", "embed"))):
             w = 0.02 * jax.random.normal(rngs.params(), (e, d_in, d_out))
             if quant is None:
-                setattr(self, name, nnx.Param(w.astype(dtype)))
+                setattr(self, name, nnx.Param(w.astype(dtype), axes=("expert", *axes_io)))
                 continue
             q, s = quantize_experts(w, quant)
-            setattr(self, name, nnx.Param(q))
-            setattr(self, f"{name}_scale_inv", Buffer(s))
+            axes_oi = ("expert", *axes_io[::-1])  # stored [E, out, in], and so is the scale grid
+            setattr(self, name, nnx.Param(q, axes=axes_oi))
+            setattr(self, f"{name}_scale_inv", Buffer(s, axes=axes_oi))
 
     def stored(self, name: str) -> tuple[jax.Array, jax.Array | None]:
         """`gate_up_proj` or `down_proj` as stored, with its scales (None for float experts)."""
@@ -82,11 +84,20 @@ def dense_experts(w: jax.Array, scale: jax.Array | None, storage: str | None, cf
     return jnp.swapaxes(w, -1, -2)
 
 
+_ROW_TILE = 8
+
+
 def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array, gate_up_eio: jax.Array,
-                down_eio: jax.Array, cfg: ModelConfig, first_expert: jax.Array | int = 0) -> jax.Array:
+                down_eio: jax.Array, cfg: ModelConfig, first_expert: jax.Array | int = 0,
+                tp_axis: str | None = None) -> jax.Array:
     """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])` over the experts `[first_expert, first_expert + E')`
     whose weights are given (E' = gate_up_eio.shape[0]); pairs routed elsewhere contribute nothing.
-    Pairs are sorted by expert (the others last) and run through two grouped matmuls, dropless."""
+    Pairs are sorted by expert (the others last) and run through two grouped matmuls, dropless.
+
+    Inside a shard_map whose `tp_axis` splits the FFN width, the weights are this device's slice of
+    gate_up's `[gate | up]` columns and of down's rows, and the result is a partial sum over `tp_axis`.
+    The gate and up columns a device needs sit on different devices of that split, so the gate_up
+    outputs are all-gathered over `tp_axis` before the SwiGLU."""
     import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
 
     n, k = idx_nk.shape
@@ -97,13 +108,22 @@ def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array, gate_
     order = jnp.argsort(local_e, stable=True)
     group_sizes = jnp.bincount(local_e, length=e_local).astype(jnp.int32)
     x_ph = jnp.take(x_nh, order // k, axis=0)
+    # tokamax's Mosaic GPU kernel tiles the rows by 8: pad them (the padding belongs to no group).
+    x_ph = jnp.pad(x_ph, ((0, -x_ph.shape[0] % _ROW_TILE), (0, 0)))
     gate_up_p = tokamax.ragged_dot(x_ph, gate_up_eio, group_sizes, precision=precision(x_ph),
                                    preferred_element_type=x_nh.dtype)
     inter = cfg.moe_intermediate_size
-    act_p = clamped_swiglu(gate_up_p[:, :inter], gate_up_p[:, inter:], cfg.swiglu_limit)
+    width = down_eio.shape[1]  # this device's share of the FFN width (all of it without tp)
+    start = 0
+    if tp_axis is not None:
+        gate_up_p = jax.lax.all_gather(gate_up_p, tp_axis, axis=1, tiled=True)
+        start = jax.lax.axis_index(tp_axis) * width
+    gate_p = jax.lax.dynamic_slice_in_dim(gate_up_p, start, width, axis=1)
+    up_p = jax.lax.dynamic_slice_in_dim(gate_up_p, inter + start, width, axis=1)
+    act_p = clamped_swiglu(gate_p, up_p, cfg.swiglu_limit)
     y_ph = tokamax.ragged_dot(act_p, down_eio, group_sizes, precision=precision(act_p),
                               preferred_element_type=x_nh.dtype)
-    y_ph = y_ph * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
+    y_ph = y_ph[: n * k] * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
     y_ph = jnp.where(jnp.take(mine, order)[:, None], y_ph, 0)  # rows past the groups are not defined
     y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)
     return jnp.sum(y_nkh, axis=1)
@@ -115,9 +135,9 @@ class SharedExpert(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         h, i, bias, q = cfg.hidden_size, cfg.moe_intermediate_size, cfg.mlp_bias, cfg.quantization
         self.limit = cfg.swiglu_limit
-        self.gate_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias, quant=q)
-        self.up_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias, quant=q)
-        self.down_proj = Linear(i, h, rngs=rngs, dtype=dtype, bias=bias, quant=q)
+        self.gate_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias, quant=q, axes=("ffn", "embed"))
+        self.up_proj = Linear(h, i, rngs=rngs, dtype=dtype, bias=bias, quant=q, axes=("ffn", "embed"))
+        self.down_proj = Linear(i, h, rngs=rngs, dtype=dtype, bias=bias, quant=q, axes=("embed", "ffn"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

@@ -65,17 +65,20 @@ def test_fp4_experts_split_over_the_expert_axis(model):
     assert_close(np.asarray(out), np.asarray(forward(quantized, IDS)), rtol=1e-5)
 
 
-def test_expert_weights_are_never_all_gathered(model):
+@pytest.mark.parametrize("spec", ["ep=8", "ep=4,tp=2"])
+def test_split_weights_are_never_all_gathered(model, spec):
     """In the compiled sharded forward, no all-gather produces an array the size of a whole expert
-    weight (stacked or one layer's): each device only ever holds its own experts."""
-    mesh = make_mesh("ep=8")
+    weight or (under tp) a whole query or output projection (stacked or one layer's): each device only
+    ever holds its own experts and heads."""
+    mesh = make_mesh(spec)
     sharded = shard_model(model, mesh)
     graphdef, state = nnx.split(sharded)
     with jax.set_mesh(mesh):
         hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, IDS).compile().as_text()
     whole = set()
     for path, var in nnx.to_flat_state(state):
-        if path[-2:] in (("experts", "gate_up_proj"), ("experts", "down_proj")):
+        if path[-2:] in (("experts", "gate_up_proj"), ("experts", "down_proj"), ("q_b_proj", "weight"),
+                         ("o_b_proj", "weight")):
             shape = tuple(var.get_value().shape)
             whole |= {shape, shape[1:]}
     gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
@@ -109,3 +112,102 @@ def test_cache_slots_are_split_and_decoding_does_not_recompile(model):
         warm = Engine.compilations()
         out = generate(sharded, [[9, 8, 7]] * 3 + [[1, 2, 3]] * 5, params, max_batch=8)  # same shapes
         assert Engine.compilations() == warm and all(len(r.tokens) == 12 for r in out)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all`'s semantics from all-gathers (XLA:CPU has no ragged all-to-all), so
+    that the ragged dispatch's offsets are checked on CPU devices. A `recv_sizes` that disagrees with
+    what the senders send poisons the output."""
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)
+    starts, sizes, dests = (jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(output.shape[0])
+    for s in range(ops.shape[0]):
+        dest, size, start = dests[s, me], sizes[s, me], starts[s, me]
+        hit = ((rows >= dest) & (rows < dest + size)).reshape((-1,) + (1,) * (output.ndim - 1))
+        output = jnp.where(hit, jnp.take(ops[s], jnp.clip(start + rows - dest, 0, operand.shape[0] - 1), axis=0),
+                           output)
+    bad = jnp.any(recv_sizes != sizes[:, me])
+    return jnp.where(bad, jnp.full_like(output, -7 if output.dtype.kind == "i" else jnp.nan), output)
+
+
+def routing(cfg, n, seed):
+    """n tokens' inputs and top-k routing, half of them crowding onto experts 3 and 5."""
+    rng = np.random.default_rng(seed)
+    idx = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False) for _ in range(n)])
+    idx[: n // 2, :2] = (3, 5)
+    return (jnp.asarray(rng.normal(size=(n, cfg.hidden_size)), jnp.float32),
+            jnp.asarray(rng.random((n, cfg.num_experts_per_tok)), jnp.float32), jnp.asarray(idx, jnp.int32))
+
+
+def sharded_experts_call(model, spec, design, x, w, idx):
+    from dsjax.parallel.expert import routed_experts_parallel
+
+    mesh = make_mesh(spec)
+    graphdef, state = nnx.split(shard_model(model, mesh).layer(1).mlp.experts)
+
+    def call(state, x, w, idx):
+        return routed_experts_parallel(nnx.merge(graphdef, state), x, w, idx, mesh, design,
+                                       exchange=emulated_ragged_all_to_all)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(call)(state, x, w, idx)
+
+
+@pytest.mark.parametrize("spec", ["ep=8", "dp=2,ep=4", "dp=2,ep=2,tp=2"])
+@pytest.mark.parametrize("design", ["gathered", "ragged"])
+def test_both_dispatch_designs_equal_one_device(model, spec, design):
+    x, w, idx = routing(model.cfg, 21, seed=1)  # 21 tokens: padded to the shard count
+    want = model.layer(1).mlp.experts(x, w, idx)
+    assert_close(np.asarray(sharded_experts_call(model, spec, design, x, w, idx)), np.asarray(want), rtol=1e-5)
+
+
+def test_fp4_experts_split_over_tp_with_the_ragged_design():
+    # FP4 scales cover 32 values of a row: an FFN width of 64 gives each of two tp devices whole scales
+    cfg = ModelConfig.preset("tiny").replace(moe_intermediate_size=64)
+    quantized = quantize_model(dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32))
+    x, w, idx = routing(cfg, 16, seed=2)
+    want = quantized.layer(1).mlp.experts(x, w, idx)
+    got = sharded_experts_call(quantized, "ep=4,tp=2", "ragged", x, w, idx)
+    assert_close(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+def test_a_tp_that_splits_weights_but_not_their_scales_is_refused(model):
+    quantized = quantize_model(model)  # FFN width 32: one FP4 scale per row of down_proj
+    x, w, idx = routing(model.cfg, 16, seed=2)
+    with pytest.raises(ValueError, match="splits some of the routed experts' arrays but not all"):
+        sharded_experts_call(quantized, "ep=4,tp=2", "ragged", x, w, idx)
+
+
+@pytest.mark.parametrize("spec", ["ep=8", "dp=4,ep=2"])
+def test_the_backend_picks_the_design(spec):
+    """Lowered for GPU or TPU, the MoE exchanges tokens by ragged all-to-all when that moves fewer bytes
+    (k < ep); for CPU, and when k ≥ ep, by all-gather and reduce-scatter."""
+    from dsjax.parallel.expert import routed_experts_parallel
+
+    model = dsjax.DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)  # k = 2
+    mesh = make_mesh(spec)
+    graphdef, state = nnx.split(shard_model(model, mesh).layer(1).mlp.experts)
+    x, w, idx = routing(model.cfg, 16, seed=3)
+    f = jax.jit(lambda s, x, w, idx: routed_experts_parallel(nnx.merge(graphdef, s), x, w, idx, mesh))
+    few = mesh.shape["ep"] <= model.cfg.num_experts_per_tok
+    for platform, ragged in (("cuda", not few), ("tpu", not few), ("cpu", False)):
+        with jax.set_mesh(mesh):
+            text = jax.export.export(f, platforms=[platform], disabled_checks=[  # XLA's own op, as a custom call
+                jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(state, x, w, idx).mlir_module()
+        assert ("ragged_all_to_all" in text) == ragged, platform
+        assert ("reduce_scatter" in text) != ragged, platform  # the all-gather design's combine
+
+
+def test_tensor_parallelism_splits_heads_and_ffn_width(model):
+    """Under tp=2 each device holds half of the query heads' weights and half of each expert's FFN."""
+    mesh = make_mesh("dp=4,tp=2")
+    sharded = shard_model(model, mesh).groups[1].layers[0]
+    cfg = model.cfg
+    q_b = sharded.self_attn.q_b_proj.weight[...]
+    assert q_b.addressable_shards[0].data.shape[1:] == (cfg.num_attention_heads * cfg.head_dim // 2, cfg.q_lora_rank)
+    gate_up = sharded.mlp.experts.gate_up_proj[...]
+    assert gate_up.addressable_shards[0].data.shape[-1] == cfg.moe_intermediate_size
+    down = sharded.mlp.experts.down_proj[...]
+    assert down.addressable_shards[0].data.shape[-2] == cfg.moe_intermediate_size // 2
