@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from dsjax.config import ModelConfig
+from dsjax.parallel import distributed
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -33,6 +34,10 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.demo and distributed.spec_from(args) is not None:
+        raise ValueError("--demo runs on one process: drop --coordinator, --num-processes, --process-id and "
+                         "--distributed (and unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    distributed.initialize_from(args)  # before anything starts a jax backend
     from dsjax.batch.job import JobConfig, run_job, summary_path
 
     if args.demo:
@@ -56,6 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"interrupted: finished records are in {args.output}; re-run the same command to resume",
               file=sys.stderr)
         return 130
+    if distributed.process_index() != 0:  # process 0 writes the output and reports
+        return 0
     print(f"{s['requests_ok']} ok, {s['requests_failed']} failed, {s['requests_already_done']} already done; "
           f"{s['prompt_tokens']} prompt tokens ({s['prompt_tokens_per_second']:.1f}/s), "
           f"{s['generated_tokens']} generated ({s['generated_tokens_per_second']:.1f}/s) in "
@@ -66,6 +73,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from dsjax.checkpoint.convert import convert, to_hf
     from dsjax.parallel.mesh import parse_mesh
+
+    if names := distributed.multi_process_env():  # one writer only
+        raise ValueError(f"the environment asks for a multi-process run ({', '.join(names)} set), but convert "
+                         "writes DST from one process: run it once, on one host, without them; every process "
+                         "of a multi-process `dsjax generate --mesh ...` then reads only its own shards of DST")
 
     shard = int(args.shard_mb * 1e6) if args.shard_mb else None
     try:
@@ -87,6 +99,51 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import math
+
+    from dsjax.parallel.mesh import parse_mesh
+    from dsjax.plan import largest_fit, parse_bytes, plan
+
+    sizes = parse_mesh(args.mesh)
+    budget = parse_bytes(args.device_mem)  # bad input fails before anything is compiled
+    _ensure_cpu_devices(math.prod(sizes.values()))
+    cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
+    common = dict(cfg=cfg, mesh_spec=sizes, max_len=args.max_len, weights=args.weights, kv_dtype=args.kv_dtype,
+                  chunk_size=args.chunk_size, device_mem=budget, model_name=args.preset or args.model)
+    base = plan(slots=args.slots, **common)
+    fit = None
+    if not args.no_search:
+        def log(msg):
+            print(f"dsjax plan: {msg}", file=sys.stderr, flush=True)
+
+        fit = largest_fit(base, lambda slots: plan(slots=slots, **common), log=log)
+    print(base.table(fit))
+    return 0
+
+
+def _ensure_cpu_devices(n: int) -> None:
+    """Give the host CPU backend at least `n` devices, so a mesh of `n` can be planned without them.
+
+    `jax_num_cpu_devices` (like XLA_FLAGS=--xla_force_host_platform_device_count) is read when JAX starts
+    its CPU backend, on the first call that needs a device; importing jax does not start it. So this works
+    whenever nothing in the process has touched a device yet, as in a `dsjax plan` command. It only ever
+    raises the count XLA_FLAGS asks for; once a backend is up it changes nothing (`plan` then says if too
+    few devices exist)."""
+    import os
+    import re
+
+    import jax
+
+    flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    have = max(int(flag.group(1)) if flag else 1, jax.config.jax_num_cpu_devices)
+    if n > have:
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # the backend has started already
+            pass
+
+
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--input", help="requests, JSONL in the OpenAI Batch format")
@@ -102,11 +159,13 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"],
                    help="cache storage of K=V rows (default: --dtype); fp8/fp4 keep the rotary part in bf16 "
                         "and the indexer's keys in fp8 (docs/quantization.md)")
-    p.add_argument("--mesh", help="run sharded over the visible devices, e.g. 'ep=8' or 'dp=2,ep=4': routed "
-                   "experts split over ep (expert parallelism); sizes must multiply to the device count")
+    p.add_argument("--mesh", help="run sharded over the visible devices (of every process, in a multi-process "
+                   "run), e.g. 'ep=8' or 'dp=2,ep=4': routed experts split over ep (expert parallelism); sizes "
+                   "must multiply to the device count")
     p.add_argument("--seed", type=int, default=0,
                    help="job seed: requests that set no seed draw from it and their custom_id")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    distributed.add_distributed_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +202,31 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--shard-mb", type=float, help="--to-hf: shard size in MB (default 4096)")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=_convert)
+    pl = sub.add_parser("plan", help="per-device memory of a model on a mesh, from the compiled steps",
+                        description="Compile the decode and prefill-chunk steps ahead of time from abstract arrays "
+                        "on a mesh (host CPU devices stand in for missing ones) and print per-device bytes of "
+                        "weights, cache and temporaries from XLA's memory analysis against --device-mem, and the "
+                        "most slots of --max-len tokens that fit. See docs/parallelism.md.")
+    src = pl.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="tiny, v4-flash or v4.1-flash")
+    src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
+    pl.add_argument("--mesh", required=True, help="e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp)")
+    pl.add_argument("--max-len", type=int, required=True, help="tokens per sequence (cache length)")
+    pl.add_argument("--slots", type=int, required=True,
+                    help="sequences in flight over the mesh (a multiple of the dp·ep devices)")
+    pl.add_argument("--weights", default="fp8", choices=["fp8", "bf16"],
+                    help="fp8: DeepSeek's release storage (FP8 blocks, FP4 routed experts, or the model's own "
+                         "quantization_config); bf16: float weights (default fp8)")
+    pl.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "fp8", "fp4"],
+                    help="cache storage of K=V rows (default bfloat16)")
+    pl.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256, as generate)")
+    pl.add_argument("--device-mem", default="141GB",
+                    help="memory budget per device: '141GB' (10^9), '80GiB' (2^30) or bytes ('141e9'); "
+                         "default 141GB (an H200)")
+    pl.add_argument("--no-search", action="store_true",
+                    help="skip compiling at other slot counts to find the largest that fits (the cache "
+                         "formula's estimate is still printed)")
+    pl.set_defaults(func=_plan)
     return parser
 
 

@@ -3,6 +3,11 @@
 input.jsonl (OpenAI Batch) → deepseek-recipe (convert, encode) → scheduler (continuous batching) →
 prefill/decode steps → sampler → recipe stream processor → output.jsonl (appended, flushed, resumable)
 and a summary JSON next to it.
+
+In a multi-process run (`dsjax.parallel.distributed`) every process runs this same job, in lockstep: the
+same requests in the same order through the same steps. Before any work the processes check that their
+inputs (sha256), settings, model config and tokenizer are the same, and process 0, the only one that
+reads or writes the output, tells the others which input lines are already done.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import itertools
 import json
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +31,7 @@ from dsjax.batch.results import ResultsFile, error_record, success_record
 from dsjax.engine.generate import request_seed
 from dsjax.engine.scheduler import Request, StepTimer, run
 from dsjax.engine.steps import Engine
+from dsjax.parallel import distributed
 from dsjax.quant import KV_DTYPES
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -62,31 +68,32 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
 
     Raises JobError before any work when the input, output or model cannot be used; per-request
     problems become error records. Ctrl-C stops after writing what is finished (KeyboardInterrupt
-    propagates once the summary is written).
+    propagates once the summary is written). In a multi-process run every process calls this with the
+    same settings; only process 0 writes the output and the summary (the others return it).
     """
     from dsjax.checkpoint.load import load_model
 
-    if cfg.dtype not in _DTYPES:
-        raise JobError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-    if cfg.weights not in ("keep", "bf16"):
-        raise JobError(f"weights must be 'keep' or 'bf16', got {cfg.weights!r}")
-    if cfg.kv_dtype not in (None, *KV_DTYPES):
-        raise JobError(f"kv_dtype must be one of {KV_DTYPES}, got {cfg.kv_dtype!r}")
-    if cfg.max_batch < 1 or cfg.max_len < 2 or cfg.chunk_size < 1:
-        raise JobError("max_batch and chunk_size must be >= 1 and max_len >= 2")
-    mesh = None
-    if cfg.mesh:
-        from dsjax.parallel.mesh import make_mesh
-
-        try:
-            mesh = make_mesh(cfg.mesh)
-        except ValueError as e:
-            raise JobError(str(e)) from None
-    check_readable(cfg.input)
+    main = distributed.process_index() == 0  # the process that reads and writes the output
     tokenizer = os.path.join(cfg.model, "tokenizer.json")
-    if not os.path.isfile(tokenizer):
-        raise JobError(f"{cfg.model!r} has no tokenizer.json: the job encodes prompts with the model's tokenizer")
-    results = ResultsFile(cfg.output)
+    results: ResultsFile | _NoOutput = _NoOutput()
+    mesh = error = None
+    try:
+        mesh = _check(cfg, tokenizer)
+        if main:
+            results = ResultsFile(cfg.output)
+    except JobError as e:
+        error = e
+    if distributed.process_count() == 1:
+        if error:
+            raise error
+        is_done = results.is_done
+    else:
+        try:
+            _agree(cfg, tokenizer, error)
+            is_done = _done_on_process_0(cfg, results)
+        except BaseException:
+            results.close()
+            raise
     t_start = time.perf_counter()
     stats = {"ok": 0, "failed": 0, "skipped_done": 0, "prompt_tokens": 0, "generated_tokens": 0}
     timer = StepTimer()
@@ -99,10 +106,10 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
             engine = Engine(model, num_slots=cfg.max_batch, max_len=context,
                             chunk_size=min(cfg.chunk_size, context), kv_dtype=cfg.kv_dtype)
             total = _count_lines(cfg.input)
-            bar = tqdm(total=total, disable=not cfg.progress, unit="req", dynamic_ncols=True)
+            bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
             t_loop = time.perf_counter()
             try:
-                _run(cfg, engine, recipe, results, stats, timer, bar, t_start)
+                _run(cfg, engine, recipe, results, is_done, stats, timer, bar, t_start)
             finally:
                 bar.close()
                 stats["loop_seconds"] = time.perf_counter() - t_loop
@@ -126,14 +133,121 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         "repaired_torn_bytes": results.repaired_bytes,
         "config": dataclasses.asdict(cfg),
     }
-    with open(summary_path(cfg.output), "w") as f:
-        json.dump(summary, f, indent=1)
+    if distributed.process_count() > 1:
+        summary["processes"] = distributed.process_count()
+    if main:
+        with open(summary_path(cfg.output), "w") as f:
+            json.dump(summary, f, indent=1)
     if interrupted:
         raise KeyboardInterrupt
     return summary
 
 
-def _run(cfg, engine, recipe, results, stats, timer, bar, t_start) -> None:
+def _check(cfg: JobConfig, tokenizer: str):
+    """Raise JobError if the job cannot run; its mesh (or None)."""
+    if cfg.dtype not in _DTYPES:
+        raise JobError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+    if cfg.weights not in ("keep", "bf16"):
+        raise JobError(f"weights must be 'keep' or 'bf16', got {cfg.weights!r}")
+    if cfg.kv_dtype not in (None, *KV_DTYPES):
+        raise JobError(f"kv_dtype must be one of {KV_DTYPES}, got {cfg.kv_dtype!r}")
+    if cfg.max_batch < 1 or cfg.max_len < 2 or cfg.chunk_size < 1:
+        raise JobError("max_batch and chunk_size must be >= 1 and max_len >= 2")
+    mesh = None
+    if cfg.mesh:
+        from dsjax.parallel.mesh import make_mesh
+
+        try:
+            mesh = make_mesh(cfg.mesh)
+        except ValueError as e:
+            raise JobError(str(e)) from None
+    elif distributed.process_count() > 1:
+        raise JobError(f"a run of {distributed.process_count()} processes needs --mesh over all their "
+                       f"{jax.device_count()} devices (e.g. 'ep={jax.device_count()}'): without one each "
+                       "process would run the whole job alone")
+    check_readable(cfg.input)
+    if not os.path.isfile(tokenizer):
+        raise JobError(f"{cfg.model!r} has no tokenizer.json: the job encodes prompts with the model's tokenizer")
+    return mesh
+
+
+class _NoOutput:
+    """The output of a process other than 0 in a multi-process run: it writes nothing."""
+
+    repaired_bytes = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _sha256(path: str) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.digest()
+
+
+def _settings_digest(cfg: JobConfig, tokenizer: str) -> bytes:
+    """What every process must share besides the input: the settings that shape the steps and the
+    request stream (not the paths, which may differ between hosts), the model's config.json and the
+    tokenizer."""
+    h = hashlib.sha256()
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "input", "output",
+                                                                             "progress")}
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    for path in (os.path.join(cfg.model, "config.json"), tokenizer):
+        h.update(_sha256(path) if os.path.isfile(path) else b"-" * 32)
+    return h.digest()
+
+
+def _agree(cfg: JobConfig, tokenizer: str, error: JobError | None) -> None:
+    """Multi-process: every process checks its own input and model folder; then all compare, and all raise
+    the same way if any process failed or differs from process 0 (so none is left waiting for the
+    others in a collective)."""
+    ok, digests = b"\0", b"\0" * 64
+    if error is None:
+        try:
+            ok, digests = b"\1", _sha256(cfg.input) + _settings_digest(cfg, tokenizer)
+        except OSError as e:
+            error = JobError(f"cannot read {e.filename!r}: {e.strerror}")
+    rows = distributed.allgather_bytes(ok + digests, 65)
+    me = distributed.process_index()
+    failed = [i for i, r in enumerate(rows) if r[:1] != b"\1"]
+    if error is not None:
+        raise JobError(f"process {me}: {error}")
+    if failed:
+        raise JobError(f"{distributed.describe(failed)} could not start the job (see the error there)")
+    differs = [i for i, r in enumerate(rows) if r[1:33] != rows[0][1:33]]
+    if differs:
+        raise JobError(f"the input of {distributed.describe(differs)} differs from process 0's (sha256 "
+                       + ", ".join(f"{i}: {rows[i][1:33].hex()[:16]}…" for i in [0, *differs])
+                       + "): every process must read the same requests")
+    differs = [i for i, r in enumerate(rows) if r[33:] != rows[0][33:]]
+    if differs:
+        raise JobError(f"the settings, model config.json or tokenizer.json of {distributed.describe(differs)} "
+                       "differ from process 0's: every process must run the same job")
+
+
+def _done_on_process_0(cfg: JobConfig, results) -> Callable[[InputLine], bool]:
+    """Multi-process: which input lines process 0's output already holds, sent to every process (a bit
+    per line number), so that all skip the same lines whatever their own view of the output folder."""
+    import numpy as np
+
+    mask = np.zeros(0, bool)
+    if isinstance(results, ResultsFile):
+        done = [line.line_no for line in read_lines(cfg.input) if results.is_done(line)]
+        mask = np.zeros(max(done, default=-1) + 1, bool)
+        mask[done] = True
+    bits = np.unpackbits(np.frombuffer(distributed.broadcast_bytes(np.packbits(mask).tobytes()), np.uint8))
+    done_lines = frozenset(np.flatnonzero(bits).tolist())
+    return lambda line: line.line_no in done_lines
+
+
+def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, t_start) -> None:
     preps: dict[int, Prepared] = {}  # requests handed to the scheduler and not finished yet
     streams = {}
     next_index = itertools.count()
@@ -147,7 +261,7 @@ def _run(cfg, engine, recipe, results, stats, timer, bar, t_start) -> None:
     def requests() -> Iterator[Request]:
         window: list[Prepared] = []
         for line in read_lines(cfg.input):
-            if results.is_done(line):
+            if is_done(line):
                 stats["skipped_done"] += 1
                 bar.update(1)
                 continue

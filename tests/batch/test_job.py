@@ -67,7 +67,8 @@ def records(path):
         return [json.loads(x) for x in f]
 
 
-_VOLATILE = {"id", "created", "created_at", "completed_at", "request_id", "signature", "system_fingerprint"}
+_VOLATILE = {"id", "created", "created_at", "completed_at", "request_id", "signature", "system_fingerprint",
+             "encrypted_content"}
 
 
 def canonical(obj):

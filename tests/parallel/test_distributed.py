@@ -2,8 +2,6 @@
 checkpoint and agree with one process."""
 
 import json
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,32 +12,19 @@ import dsjax
 from dsjax import SamplingParams, generate
 from dsjax.checkpoint.convert import convert
 from tests.helpers import assert_close
+from tests.parallel.processes import free_port, process_env, run_processes, tails
 
-ROOT = Path(__file__).resolve().parents[2]
 IDS = [[5, 17, 300, 2, 41, 99, 7, 260, 3, 11, 480], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 PROMPTS = [[5, 17, 300, 2], [7, 9], [11, 12, 13], [1]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_agree_with_one(release, tmp_path):
     checkpoint = tmp_path / "orbax"
     convert(release, checkpoint, ep=4, progress=False)
-    port, out = str(_free_port()), str(tmp_path / "out")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.distributed_worker", str(pid), port,
-                               str(checkpoint), out], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for pid in (0, 1)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=600)[0])
-        finally:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    port, out = str(free_port()), str(tmp_path / "out")
+    codes, logs = run_processes([[sys.executable, "-m", "tests.parallel.distributed_worker", str(pid), port,
+                                  str(checkpoint), out] for pid in (0, 1)], [process_env(4)] * 2)
+    assert codes == [0, 0], tails(logs)
 
     model = dsjax.load_model(release)
     want_logits = np.asarray(model(jnp.asarray(IDS)))
