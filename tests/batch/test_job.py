@@ -209,7 +209,9 @@ def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp
     inp = write_jsonl(tmp_path / "in.jsonl", items)
     reference, _ = job(tmp_path, tiny_model_dir, items, name="uninterrupted", max_batch=2)
     out = str(tmp_path / "crash.jsonl")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # The three runs compile the same steps: a compilation cache spares the second and third that work.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     cmd = _cli(tiny_model_dir, inp, out)
 
     assert _run_until(cmd, env, out, 3, signal.SIGINT) == 130  # Ctrl-C: stops cleanly
