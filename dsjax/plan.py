@@ -328,7 +328,8 @@ def plan(cfg, mesh_spec: str, max_len: int, slots: int, weights: str = "fp8", kv
     from dsjax.checkpoint.load import abstract_model
     from dsjax.engine import steps
     from dsjax.parallel.mesh import make_mesh, parse_mesh
-    from dsjax.parallel.rules import mesh_axes, param_sharding
+    from dsjax.parallel.rules import mesh_axes
+    from dsjax.parallel.shard import abstract_on_mesh
     from dsjax.quant import KV_DTYPES
 
     dtype = dtype or jnp.bfloat16
@@ -358,11 +359,7 @@ def plan(cfg, mesh_spec: str, max_len: int, slots: int, weights: str = "fp8", kv
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     engine = steps.Engine(model, slots, max_len, chunk_size, kv_dtype=kv_dtype)
 
-    def sharded(path, var):
-        v = var.get_value()
-        return var.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, path, var)))
-
-    params = nnx.from_flat_state([(p, sharded(p, var)) for p, var in nnx.to_flat_state(engine.params)])
+    params = abstract_on_mesh(engine.params, mesh)
     named = functools.partial(jax.sharding.NamedSharding, mesh)
     rep = named(jax.sharding.PartitionSpec())
 

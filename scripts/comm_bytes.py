@@ -41,16 +41,12 @@ def gathered_hlo(cfg, ep: int, tokens_per_device: int, dtype) -> str:
     from dsjax.layers.experts import RoutedExperts
     from dsjax.parallel.expert import routed_experts_parallel
     from dsjax.parallel.mesh import make_mesh
-    from dsjax.parallel.rules import param_sharding
+    from dsjax.parallel.shard import abstract_on_mesh
 
     mesh = make_mesh(f"ep={ep}", devices=jax.devices()[:ep])
     abstract = nnx.eval_shape(lambda: RoutedExperts(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(abstract)
-    flat = list(nnx.to_flat_state(state))
-    for path, var in flat:
-        sds = var.get_value()
-        var.set_value(jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=param_sharding(mesh, path, var)))
-    state = nnx.from_flat_state(flat)
+    state = abstract_on_mesh(state, mesh)
     n, k = tokens_per_device * ep, cfg.num_experts_per_tok
     tokens = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep"))
     args = (jax.ShapeDtypeStruct((n, cfg.hidden_size), dtype, sharding=tokens),

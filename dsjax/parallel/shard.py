@@ -17,3 +17,13 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     for path, var in flat:
         var.set_value(jax.device_put(var.get_value(), param_sharding(mesh, path, var)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def abstract_on_mesh(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
+    """`state` (e.g. of `nnx.eval_shape`) as ShapeDtypeStructs carrying the shardings the rules give them
+    on `mesh`: what ahead-of-time lowering for that mesh takes, with nothing allocated."""
+    def place(path, var):
+        v = var.get_value()
+        return var.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=param_sharding(mesh, path, var)))
+
+    return nnx.from_flat_state([(path, place(path, var)) for path, var in nnx.to_flat_state(state)])
