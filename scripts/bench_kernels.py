@@ -1,0 +1,202 @@
+"""Time dsjax's Pallas kernels against their pure-JAX references on one GPU, with achieved bandwidth.
+
+For each size it reports the kernel's and the reference's time per call, the bytes the kernel must
+read and write (each input row it needs once, the output once) over the kernel's time, that rate as a
+share of the measured device copy bandwidth, and the kernel's FLOP/s. Timing: several independent
+input sets (so the L2 cache does not serve repeats) run back to back inside one jitted call; the time
+per call is the difference between calls of 12 and of 4 sets, over 8 (launch and host overhead cancel).
+
+    python scripts/bench_kernels.py attention --batch 1 64 256 --context 4096 131072 1048576
+    python scripts/bench_kernels.py tune --batch 64 --context 131072
+    python scripts/bench_kernels.py indexer --batch 1 64 --context 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsjax.config import CSA, HCA, ModelConfig
+from dsjax.quant import FP8, KV_FP8_GROUP, FP4_GROUP, PackedKV
+
+KV_DTYPES = ("bfloat16", "fp8", "fp4")
+
+
+def timed(fn, make_sets, few: int = 4, many: int = 12, repeats: int = 5) -> float:
+    """Seconds per call of `fn(*set)`, by differencing one jitted call over `many` sets and over `few`."""
+    sets = [make_sets(i) for i in range(many)]
+    times = {}
+    for n in (few, many):
+        run = jax.jit(lambda *s, n=n: [fn(*one) for one in s[:n]])
+        jax.block_until_ready(run(*sets))
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(*sets))
+            samples.append(time.perf_counter() - t0)
+        times[n] = statistics.median(samples)
+    return max(times[many] - times[few], 1e-9) / (many - few)
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
+    """Bytes per second of a device copy (bytes read plus bytes written)."""
+    n = n_bytes // 2
+
+    def make(i):
+        return (jax.random.normal(jax.random.key(i), (n // 1024, 1024), jnp.bfloat16),)
+
+    return 2 * n * 2 / timed(lambda x: x * 2, make, few=2, many=6)
+
+
+def random_rows(key, shape, kv_dtype: str, rope_dim: int):
+    """Random cache rows in `kv_dtype` storage, built directly (no quantization pass): finite codes,
+    scales near 1."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    if kv_dtype == "bfloat16":
+        return jax.random.normal(k1, shape, jnp.bfloat16)
+    *lead, width = shape
+    body = width - rope_dim
+    rope = jax.random.normal(k3, (*lead, rope_dim), jnp.bfloat16)
+    if kv_dtype == "fp8":
+        codes = jax.random.normal(k1, (*lead, body), jnp.float32).astype(FP8)
+        scales = jax.random.uniform(k2, (*lead, body // KV_FP8_GROUP), jnp.float32, 0.5, 2.0)
+        return PackedKV(codes, scales, rope, KV_FP8_GROUP)
+    codes = jax.random.randint(k1, (*lead, body // 2), -128, 128, jnp.int32).astype(jnp.int8)
+    scales = jax.random.randint(k2, (*lead, body // FP4_GROUP), 124, 130, jnp.int32).astype(jnp.uint8)
+    return PackedKV(codes, scales, rope, FP4_GROUP)
+
+
+def row_bytes(rows) -> int:
+    return sum(a.dtype.itemsize * a.shape[-1] for a in jax.tree.leaves(rows))
+
+
+def attention_case(cfg: ModelConfig, batch: int, context: int, kv_dtype: str, layer: str, seed: int = 0):
+    """(shared entries, make_set(i) → the kernel's positional/keyword inputs, bytes, flops)."""
+    h, d, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    rd = cfg.rope_compress.rope_dim(d)
+    rate = cfg.compress_rate_csa if layer == CSA else cfg.compress_rate_hca
+    t = context // rate
+    entries = random_rows(jax.random.key(seed), (batch, t, d), kv_dtype, rd)
+    n_keys = w + (min(cfg.index_topk, t) if layer == CSA else t)
+
+    def make_set(i):
+        key = jax.random.key(1000 + i)
+        kq, kw, ki, ks = jax.random.split(key, 4)
+        q = jax.random.normal(kq, (batch, h, d), jnp.bfloat16)
+        window = random_rows(kw, (batch, w, d), kv_dtype, rd)
+        sinks = jax.random.normal(ks, (h,), jnp.float32)
+        if layer == CSA:
+            k = min(cfg.index_topk, t)
+            idx = jnp.argsort(jax.random.uniform(ki, (batch, t)), axis=1)[:, :k].astype(jnp.int32)
+            extra = {"idx_bk": idx}
+        else:
+            extra = {"entries_len_b": jnp.full((batch,), t, jnp.int32)}
+        return q, window, jnp.full((batch,), w, jnp.int32), sinks, extra
+
+    per_slot = n_keys * row_bytes(entries) + 2 * h * d * 2 + (4 * min(cfg.index_topk, t) if layer == CSA else 0)
+    return entries, make_set, batch * per_slot, batch * 4 * h * d * n_keys
+
+
+def bench_attention(args, cfg, bandwidth):
+    from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
+    from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+
+    rows = []
+    scale = cfg.head_dim ** -0.5
+    for batch, context, kv_dtype, layer in itertools.product(args.batch, args.context, args.kv_dtype, args.layer):
+        if batch * context > args.max_tokens:
+            continue
+        entries, make_set, n_bytes, flops = attention_case(cfg, batch, context, kv_dtype, layer)
+
+        def kernel(q, window, wlen, sinks, extra, **tiling):
+            return sparse_decode_gpu(q, window, wlen, entries, sinks, scale, **extra, **tiling,
+                                     interpret=args.interpret)
+
+        def reference(q, window, wlen, sinks, extra):
+            return sparse_decode_reference(q, window, wlen, entries, sinks, scale, **extra)
+
+        one = make_set(0)
+        want = np.asarray(jax.jit(reference)(*one), np.float32)
+        got = np.asarray(jax.jit(kernel)(*one), np.float32)
+        rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        t_kernel = timed(kernel, make_set)
+        t_ref = timed(reference, make_set) if not args.no_reference else float("nan")
+        rows.append({"op": "attention", "layer": "CSA" if layer == CSA else "HCA", "batch": batch,
+                     "context": context, "kv": kv_dtype, "kernel_us": t_kernel * 1e6, "reference_us": t_ref * 1e6,
+                     "speedup": t_ref / t_kernel, "MB": n_bytes / 1e6, "GBps": n_bytes / t_kernel / 1e9,
+                     "of_copy": n_bytes / t_kernel / bandwidth, "TFLOPs": flops / t_kernel / 1e12, "rel_err": rel})
+        print(json.dumps(rows[-1]), flush=True)
+        del entries
+    return rows
+
+
+def bench_tune(args, cfg, bandwidth):
+    from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
+
+    rows = []
+    scale = cfg.head_dim ** -0.5
+    for batch, context, kv_dtype in itertools.product(args.batch, args.context, args.kv_dtype):
+        entries, make_set, n_bytes, flops = attention_case(cfg, batch, context, kv_dtype, CSA)
+        for bh, bk, warps, stages, splits in itertools.product(args.block_h, args.block_k, args.num_warps,
+                                                               args.num_stages, args.splits):
+            tiling = dict(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages, num_splits=splits)
+
+            def kernel(q, window, wlen, sinks, extra, tiling=tiling):
+                return sparse_decode_gpu(q, window, wlen, entries, sinks, scale, **extra, **tiling,
+                                         interpret=args.interpret)
+
+            try:
+                t = timed(kernel, make_set, few=2, many=6, repeats=3)
+            except Exception as e:  # a tiling the compiler refuses (registers, shared memory)
+                print(f"{tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            rows.append({"op": "tune", "batch": batch, "context": context, "kv": kv_dtype, **tiling,
+                         "kernel_us": t * 1e6, "of_copy": n_bytes / t / bandwidth})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("attention", "tune", "indexer"))
+    p.add_argument("--preset", default="v4.1-flash")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--context", type=int, nargs="+", default=[4096, 131072, 1048576])
+    p.add_argument("--kv-dtype", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
+    p.add_argument("--layer", nargs="+", default=["csa", "hca"], choices=("csa", "hca"))
+    p.add_argument("--splits", type=int, nargs="+", default=[1])
+    p.add_argument("--block-h", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--block-k", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--num-stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--max-tokens", type=int, default=64 * 1048576, help="skip sizes of more batch × context")
+    p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--interpret", action="store_true", help="run the kernels interpreted (a CPU smoke test)")
+    p.add_argument("--json", help="append the rows here")
+    args = p.parse_args(argv)
+    args.layer = [CSA if x == "csa" else HCA for x in args.layer]
+    cfg = ModelConfig.preset(args.preset)
+    bandwidth = copy_bandwidth(32 << 20 if args.interpret else 2 << 30)
+    print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows = {"attention": bench_attention, "tune": bench_tune}[args.what](args, cfg, bandwidth)
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"device": jax.devices()[0].device_kind, "copy_TBps": bandwidth / 1e12, **r}) + "\n")
+    keys = [k for k in rows[0] if k not in ("op",)] if rows else []
+    print(" ".join(f"{k:>10}" for k in keys))
+    for r in sorted(rows, key=lambda r: r.get("kernel_us", 0)) if args.what == "tune" else rows:
+        print(" ".join(f"{v:>10.4g}" if isinstance(v, float) else f"{v!s:>10}" for v in (r[k] for k in keys)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
