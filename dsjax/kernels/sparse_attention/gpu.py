@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dsjax.layers.numerics import precision
 from dsjax.quant import FP4_GROUP, PackedKV, ue8m0_to_float
 
 _FP4_PIECE = 64  # columns per fp4 piece: 32 bytes, two scale groups
@@ -104,6 +105,8 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
     o_ref = refs[0]
     dtype = q_ref.dtype
     pv_dtype = jnp.float16 if dtype == jnp.bfloat16 else dtype
+    # Triton's default for fp32 operands is TF32 (10-bit mantissas): ask for IEEE fp32.
+    exact = precision(q_ref)
     split = pl.program_id(2)
 
     q_pieces = {p.col: q_ref[:, pl.ds(p.col, p.width)] for p in window_pieces + entry_pieces}
@@ -111,7 +114,8 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
     def attend(carry, pieces, refs_, rows_k, valid_k):
         acc, m_h, l_h = carry
         tiles = [_load_piece(refs_, p, rows_k, dtype) for p in pieces]
-        s_hk = sum(jnp.dot(q_pieces[p.col], t.T, preferred_element_type=jnp.float32) for p, t in zip(pieces, tiles))
+        s_hk = sum(jnp.dot(q_pieces[p.col], t.T, preferred_element_type=jnp.float32, precision=exact)
+                   for p, t in zip(pieces, tiles))
         s_hk = jnp.where(valid_k[None, :], s_hk * scale, -jnp.inf)
         m_new = jnp.maximum(m_h, jnp.max(s_hk, axis=1))
         alpha_h = jnp.exp(m_h - m_new)
@@ -119,7 +123,8 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
         p_pv = p_hk.astype(pv_dtype)
         acc = {c: a * alpha_h[:, None] for c, a in acc.items()}
         for p, t in zip(pieces, tiles):
-            acc[p.col] = acc[p.col] + jnp.dot(p_pv, t.astype(pv_dtype), preferred_element_type=jnp.float32)
+            acc[p.col] = acc[p.col] + jnp.dot(p_pv, t.astype(pv_dtype), preferred_element_type=jnp.float32,
+                                              precision=exact)
         return acc, m_new, l_h * alpha_h + jnp.sum(p_hk, axis=1)
 
     def block_rows(j, limit):
@@ -152,7 +157,7 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
     # Every split's running max starts at the sink logit (finite, so fully masked blocks give p = 0,
     # never NaN); split 0 alone counts the sink's mass.
     m0 = sinks_ref[...].astype(jnp.float32)
-    l0 = jnp.where(split == 0, 1.0, 0.0) * jnp.ones_like(m0)
+    l0 = jnp.ones_like(m0) * (split == 0).astype(jnp.float32)
     acc0 = {p.col: jnp.zeros((m0.shape[0], p.width), jnp.float32) for p in window_pieces}
     carry = (acc0, m0, l0)
     carry = jax.lax.fori_loop(lo, jnp.minimum(hi, n_window_blocks), window_block, carry)

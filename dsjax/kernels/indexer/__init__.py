@@ -1,0 +1,1 @@
+"""The lightning indexer's decode scores over a slot's compressed index keys."""
