@@ -122,6 +122,25 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from dsjax.export import check_out_dir, export_steps
+
+    check_out_dir(args.out, args.force)  # bad input fails before anything is traced
+    cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
+    m = export_steps(cfg, args.platform, args.out, slots=args.slots, max_len=args.max_len,
+                     chunk_size=args.chunk_size, prefill_rows=args.prefill_rows, weights=args.weights,
+                     dtype=args.dtype, kv_dtype=args.kv_dtype, mesh=args.mesh, device_kind=args.device_kind,
+                     model_name=args.preset or args.model, force=args.force)
+    sizes = ", ".join(f"{name} {d['bytes'] / 1e6:,.2f} MB" for name, d in m["steps"].items())
+    mesh = ",".join(f"{a}={n}" for a, n in (m["mesh"] or {}).items() if n > 1) or "one device"
+    device = f" ({m['device_kind']})" if m["device_kind"] and m["platform"] != "cpu" else ""
+    print(f"{args.out}: {m['model']} for {m['platform']}{device} on {mesh}, weights {m['weights']}, "
+          f"dtype {m['dtype']}, kv {m['kv_dtype'] or m['dtype']}, {m['slots']} slots × {m['max_len']:,} tokens, prefill "
+          f"{m['prefill_rows']} rows × {m['chunk_size']} tokens; {sizes}; {len(m['params'])} parameter and "
+          f"{len(m['cache'])} cache arrays as inputs; {m['export_seconds']:.1f} s")
+    return 0
+
+
 def _ensure_cpu_devices(n: int) -> None:
     """Give the host CPU backend at least `n` devices, so a mesh of `n` can be planned without them.
 
@@ -227,6 +246,36 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip compiling at other slot counts to find the largest that fits (the cache "
                          "formula's estimate is still printed)")
     pl.set_defaults(func=_plan)
+    ex = sub.add_parser("export", help="the decode and prefill-chunk steps as serialized StableHLO for one platform",
+                        description="Lower the engine's decode and prefill-chunk steps from abstract arrays (no "
+                        "weights needed: the weights are inputs of the exported functions) for one platform and "
+                        "write DIR/decode.stablehlo, DIR/prefill.stablehlo (jax.export serializations) and "
+                        "DIR/manifest.json (config, sizes, dtypes, versions, the parameter and cache leaves and "
+                        "each step's inputs and outputs). Load them with dsjax.export.load_steps(DIR).")
+    src = ex.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="tiny, v4-flash or v4.1-flash")
+    src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
+    ex.add_argument("--platform", required=True, metavar="{cpu,cuda,rocm,tpu}",
+                    help="the platform the programs are for (one per export: the Pallas kernels differ)")
+    ex.add_argument("--out", required=True, metavar="DIR",
+                    help="folder to create (or an empty one); it appears only when complete")
+    ex.add_argument("--force", action="store_true", help="replace DIR if it holds an earlier export")
+    ex.add_argument("--slots", type=int, default=8, help="sequences in flight (decode batch; default 8)")
+    ex.add_argument("--max-len", type=int, default=4096, help="tokens per sequence (cache length; default 4096)")
+    ex.add_argument("--chunk-size", "--chunk", type=int, default=256, help="prefill chunk in tokens (256)")
+    ex.add_argument("--prefill-rows", type=int, help="rows of a prefill chunk (default: --slots)")
+    ex.add_argument("--weights", default="fp8", choices=["fp8", "bf16"],
+                    help="fp8: DeepSeek's release storage (FP8 blocks, FP4 routed experts, or the model's own "
+                         "quantization_config); bf16: float weights in --dtype (default fp8)")
+    ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="activations, float weights and the cache's float parts (bfloat16)")
+    ex.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"],
+                    help="cache storage of K=V rows (default: --dtype)")
+    ex.add_argument("--mesh", help="export the SPMD program for a mesh, e.g. 'ep=8' (inputs laid out as "
+                    "`dsjax plan` lays them out; no devices needed); default: one device")
+    ex.add_argument("--device-kind", help="the GPU or TPU the Pallas kernels are lowered for, as jax names it "
+                    "(default: 'NVIDIA H200' for cuda, 'gfx942' for rocm, 'TPU v6 lite' for tpu)")
+    ex.set_defaults(func=_export)
     return parser
 
 

@@ -16,6 +16,7 @@ SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 ATTENTION_TYPES = (SLIDING, CSA, HCA)
+KERNEL_CHOICES = ("auto", "reference", "interpret")
 HASH_MOE = "hash_moe"
 MOE = "moe"
 MLP_TYPES = (HASH_MOE, MOE)
@@ -172,6 +173,10 @@ class ModelConfig:
     compress_rope_theta: float = 160000.0
     # None: weights in a float dtype. Otherwise the low-precision storage the weights keep on the device.
     quantization: QuantConfig | None = None
+    # Not architecture: how decode attention and the indexer run. "auto" uses the Pallas kernels on
+    # GPUs and TPUs and the pure-JAX references elsewhere; "reference" uses the references everywhere;
+    # "interpret" runs the GPU kernels interpreted (any backend; slow, for tests). Never written to HF.
+    kernels: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -227,6 +232,8 @@ class ModelConfig:
                                              or rope.original_max_position_embeddings is None):
                 raise ConfigError(f"rope '{label}' is YaRN but lacks 'factor' or "
                                   "'original_max_position_embeddings'")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ConfigError(f"kernels must be one of {KERNEL_CHOICES}; got {self.kernels!r}")
         for t in set(self.layer_types) - {SLIDING}:
             if self.compress_rate(t) <= 0:
                 raise ConfigError(f"compress rate for {t} must be positive")

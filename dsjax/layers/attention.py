@@ -14,6 +14,7 @@ from flax import nnx
 
 from dsjax.cache import LayerCache, as_rows, read_rows
 from dsjax.config import CSA, HCA, SLIDING, ModelConfig
+from dsjax.kernels.sparse_attention.op import sparse_decode
 from dsjax.layers.compressor import CSACompressor, HCACompressor
 from dsjax.layers.linear import GroupedLinear, Linear
 from dsjax.layers.norms import RMSNorm, unweighted_rms_norm
@@ -104,6 +105,8 @@ class Attention(nnx.Module):
         cfg = self.cfg
         w = cfg.sliding_window
         c_len = x_bch.shape[1]
+        if c_len == 1:
+            return self.decode(x_bch, start_b, n_valid_b, cache)
         positions_bc = start_b[:, None] + jnp.arange(c_len)[None, :]
         cos_h, sin_h, q_res_bcr, q_bchd, kv_bcd = self._project_in(x_bch, positions_bc)
 
@@ -127,6 +130,28 @@ class Attention(nnx.Module):
         new_rows = as_rows(jnp.take_along_axis(kv_bcd, idx[..., None], axis=1), cache.window)
         ring = jax.tree.map(lambda new, old: jnp.where(from_chunk[..., None], new, old), new_rows, cache.window)
         return self.project_out(o_bchd, cos_h, sin_h), LayerCache(ring, **states)
+
+    def decode(self, x_b1h: jax.Array, start_b: jax.Array, n_valid_b: jax.Array, cache: LayerCache):
+        """One token per slot (`extend` with C = 1) through `kernels.sparse_attention.sparse_decode`: the new
+        K=V goes into the window ring first, then the query attends to the ring's rows and the compressed
+        entries as the cache stores them (dequantized inside the kernel), so every key comes from the
+        cache. Rows with n_valid = 0 leave the cache unchanged."""
+        cfg = self.cfg
+        w = cfg.sliding_window
+        cos_h, sin_h, q_res_b1r, q_b1hd, kv_b1d = self._project_in(x_b1h, start_b[:, None])
+        rows = jnp.arange(x_b1h.shape[0])
+        target_b = jnp.where(n_valid_b > 0, jnp.mod(start_b, w), w)  # out of range: dropped
+        ring = jax.tree.map(lambda r, new: r.at[rows, target_b].set(new[:, 0], mode="drop"), cache.window,
+                            as_rows(kv_b1d, cache.window))
+        # The ring holds positions ≡ slot (mod W); after this write, slots 0 … min(L, W)−1 are exactly the
+        # window q − W < k ≤ q of the query at q = start (L = start + 1).
+        window_len_b = jnp.minimum(start_b + 1, w)
+        entries, selection, states = None, {}, {}
+        if self.compressor is not None:
+            entries, selection, states = self.compressor.decode(x_b1h, q_res_b1r, start_b, n_valid_b, cache)
+        o_bhd = sparse_decode(q_b1hd[:, 0], ring, window_len_b, entries, self.sinks[...], cfg.head_dim ** -0.5,
+                              **selection, kernels=cfg.kernels)
+        return self.project_out(o_bhd[:, None], cos_h, sin_h), LayerCache(ring, **states)
 
     def project_out(self, o_bshd, cos_h, sin_h) -> jax.Array:
         """De-rotate the rope slice at the query position, then the grouped low-rank output projection."""

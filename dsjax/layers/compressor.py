@@ -85,11 +85,13 @@ class Compressor(nnx.Module):
         cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bk, pooled_bkc.dtype)
         return apply_rope(pooled_bkc, cos, sin)
 
-    def append(self, x_bch: jax.Array, state: CompressorState, start_b: jax.Array, n_valid_b: jax.Array):
+    def append(self, x_bch: jax.Array, state: CompressorState, start_b: jax.Array, n_valid_b: jax.Array,
+               read: bool = True):
         """Append C chunk tokens (the first `n_valid` of each row are real) after `start` cached ones.
 
         Returns all entries `[B, max_len // m, width]` (those of windows completed here written in, read
-        back from the cache's storage) and the new state. Positions past a row's real tokens never change it.
+        back from the cache's storage, or with `read=False` the storage itself) and the new state.
+        Positions past a row's real tokens never change it.
         """
         b, c_len, _ = x_bch.shape
         m = self.rate
@@ -135,7 +137,7 @@ class Compressor(nnx.Module):
             c = self.width
             new.overlap_kv = jnp.where(moved, _window(kv_bkmn, last_k)[..., :c], state.overlap_kv)
             new.overlap_gate = jnp.where(moved, _window(gate_bkmn, last_k)[..., :c], state.overlap_gate)
-        return read_rows(stored, pooled.dtype), new
+        return (read_rows(stored, pooled.dtype) if read else stored), new
 
 
 def _window(a_bkmx: jax.Array, k_b: jax.Array) -> jax.Array:
@@ -159,6 +161,12 @@ class HCACompressor(Compressor):
         entries, state = self.append(x_bch, cache.compressor, start_b, n_valid_b)
         return entries, entry_visible(positions_bc, entries.shape[1], self.rate), {"compressor": state}
 
+    def decode(self, x_b1h, q_res_b1r, start_b, n_valid_b, cache):
+        """One token per slot: (entries in the cache's storage, the sparse attention's selection of them —
+        every complete window so far —, new LayerCache fields)."""
+        entries, state = self.append(x_b1h, cache.compressor, start_b, n_valid_b, read=False)
+        return entries, {"entries_len_b": (start_b + 1) // self.rate}, {"compressor": state}
+
 
 class CSACompressor(Compressor):
     """Compressed sparse attention: overlapping two-series windows, entries picked by the lightning indexer."""
@@ -179,3 +187,9 @@ class CSACompressor(Compressor):
         picked, index_state = self.indexer.extend(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b,
                                                   cache.indexer)
         return entries, picked, {"compressor": state, "indexer": index_state}
+
+    def decode(self, x_b1h, q_res_b1r, start_b, n_valid_b, cache):
+        """One token per slot: (entries in the cache's storage, the indexer's picks `idx_bk`, new fields)."""
+        entries, state = self.append(x_b1h, cache.compressor, start_b, n_valid_b, read=False)
+        idx_bk, index_state = self.indexer.decode(x_b1h, q_res_b1r, start_b, n_valid_b, cache.indexer)
+        return entries, {"idx_bk": idx_bk}, {"compressor": state, "indexer": index_state}

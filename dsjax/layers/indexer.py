@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.config import ModelConfig
+from dsjax.kernels.indexer.op import index_scores
 from dsjax.layers.compressor import Compressor, entry_visible
 from dsjax.layers.linear import Linear
 from dsjax.layers.rope import apply_rope, rope_table
@@ -58,6 +59,23 @@ class Indexer(Compressor):
         """Cached form: the selection over all cached keys `[B,C,max_len//m]` and the new key state."""
         keys, state = self.append(x_bch, state, start_b, n_valid_b)
         return self.select(*self.scores(x_bch, q_res_bcr, positions_bc, keys)), state
+
+    def decode(self, x_b1h, q_res_b1r, start_b, n_valid_b, state):
+        """One token per slot at position `start`: the top `min(index_topk, T)` visible entries as indices
+        `[B, k]` (−1 where fewer are visible), from `kernels.indexer.index_scores` over the cached keys
+        in their storage, and the new key state."""
+        keys, state = self.append(x_b1h, state, start_b, n_valid_b, read=False)
+        b = x_b1h.shape[0]
+        q_b1hc = self.q_b_proj(q_res_b1r).reshape(b, 1, self.cfg.index_n_heads, self.width)
+        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, start_b[:, None], q_b1hc.dtype)
+        q_bhc = apply_rope(q_b1hc, cos[:, :, None], sin[:, :, None])[:, 0]
+        w_bh = self.scorer.weights_proj(x_b1h)[:, 0].astype(jnp.float32) * (self.cfg.index_n_heads ** -0.5)
+        score_bt = index_scores(q_bhc, w_bh, keys, (start_b + 1) // self.rate, self.width ** -0.5,
+                                kernels=self.cfg.kernels)
+        k = min(self.cfg.index_topk, score_bt.shape[1])
+        top_score_bk, top_bk = jax.lax.top_k(score_bt, k)
+        # Picks past the visible count (−inf scores) become −1, as in the reference.
+        return jnp.where(top_score_bk > -jnp.inf, top_bk, -1).astype(jnp.int32), state
 
     def distillation_loss(self, x_bsh, q_res_bsr, positions_bs, q_bshd, entries_btd, scale: float) -> jax.Array:
         """The indexer's training objective (DeepSeek-V3.2's DSA): KL(target ‖ softmax(index scores)) over

@@ -7,9 +7,8 @@ dequantizes each block in registers. A key row is read once per head block, so o
 all heads reads the cache once; `num_splits` > 1 divides the keys between programs (flash-decoding)
 for small batches, and their partial sums are merged outside.
 
-Rows arrive as column pieces whose widths Triton can tile (powers of two): the whole row for float
-storage; for fp8 one piece per scale group, for fp4 one per 64 columns (32 bytes, two scale groups),
-plus the bf16 rotary slice. Scores sum the pieces' dot products.
+Rows arrive as column pieces (`kernels/rows.py`) whose widths Triton can tile; scores sum the
+pieces' dot products and each piece has its own output accumulator.
 
 Numerics follow `reference.py`: scores, softmax and sums in fp32. For bf16 activations P·V runs on fp16 tensor cores: probabilities
 (in [0, 1]) keep 11 significant bits instead of bf16's 8, and every bf16 key value of magnitude in
@@ -19,7 +18,6 @@ rows of order 1). fp32 activations run in IEEE fp32 throughout.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -27,72 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dsjax.kernels.rows import load_piece, row_pieces, storage
 from dsjax.layers.numerics import precision
-from dsjax.quant import FP4_GROUP, PackedKV, ue8m0_to_float
-
-_FP4_PIECE = 64  # columns per fp4 piece: 32 bytes, two scale groups
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Columns `[col, col + width)` of a row, stored as `kind`: "float", "fp8", "fp4" or "rope"."""
-
-    kind: str
-    col: int
-    width: int
-
-
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-def row_pieces(rows, width: int, what: str) -> tuple[Piece, ...]:
-    """How a kernel tiles one row of `rows` (array or PackedKV); refuses layouts Triton cannot tile."""
-    if not isinstance(rows, PackedKV):
-        if not _power_of_two(width) or width < 16:
-            raise ValueError(f"sparse decode kernel: {what} rows of {width} channels; the GPU kernel needs "
-                             "a power of two ≥ 16")
-        return (Piece("float", 0, width),)
-    rd = rows.rope.shape[-1]
-    body = width - rd
-    step = rows.group if rows.fmt == "fp8" else _FP4_PIECE
-    if not _power_of_two(step) or step < 16 or body % step or (rd and (not _power_of_two(rd) or rd < 16)):
-        raise ValueError(f"sparse decode kernel: {what} rows hold {body} {rows.fmt} channels in groups of "
-                         f"{rows.group} and {rd} rotary channels; the GPU kernel needs the {rows.fmt} channels "
-                         f"in whole pieces of {step} (a power of two ≥ 16) and a power-of-two rotary slice ≥ 16")
-    pieces = tuple(Piece(rows.fmt, c, step) for c in range(0, body, step))
-    return pieces + ((Piece("rope", body, rd),) if rd else ())
-
-
-def _e2m1(code):
-    """e2m1 codes (int32, 0-15) → fp32 values: sign bit 3, exponent bits 2-1, mantissa bit 0."""
-    e, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
-    magnitude = jnp.where(e == 0, 0.5 * m, (2.0 + m) * (1 << e).astype(jnp.float32) * 0.25)
-    return jnp.where(code >= 8, -magnitude, magnitude)
-
-
-def _load_piece(refs, piece: Piece, rows_k, dtype):
-    """Piece `piece` of key rows `rows_k` as `[block_k, width]` values in `dtype`, dequantized as
-    `quant.unpack_kv` does (fp32 product, one rounding)."""
-    if piece.kind == "float":
-        return refs[0][rows_k, :].astype(dtype)
-    codes_ref, scales_ref, rope_ref = refs
-    if piece.kind == "rope":
-        return rope_ref[rows_k, :].astype(dtype)
-    if piece.kind == "fp8":
-        codes = codes_ref[rows_k, pl.ds(piece.col, piece.width)].astype(jnp.float32)
-        scale = scales_ref[rows_k, pl.ds(piece.col // piece.width, 1)].astype(jnp.float32)
-        return (codes * scale).astype(dtype)
-    half = piece.width // 2
-    byte = codes_ref[rows_k, pl.ds(piece.col // 2, half)].astype(jnp.int32) & 0xFF
-    # Low nibble = even column: interleave the two halves back into column order.
-    values = jnp.stack([_e2m1(byte & 0xF), _e2m1(byte >> 4)], axis=-1).reshape(byte.shape[0], piece.width)
-    g = piece.col // FP4_GROUP
-    s0 = ue8m0_to_float(scales_ref[rows_k, pl.ds(g, 1)])
-    s1 = ue8m0_to_float(scales_ref[rows_k, pl.ds(g + 1, 1)])
-    column = jax.lax.broadcasted_iota(jnp.int32, (1, piece.width), 1)
-    return (values * jnp.where(column < FP4_GROUP, s0, s1)).astype(dtype)
-
 
 def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, entry_pieces, mode, num_splits,
             n_entry_rows, n_picks):
@@ -113,7 +47,7 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
 
     def attend(carry, pieces, refs_, rows_k, valid_k):
         acc, m_h, l_h = carry
-        tiles = [_load_piece(refs_, p, rows_k, dtype) for p in pieces]
+        tiles = [load_piece(refs_, p, rows_k, dtype) for p in pieces]
         s_hk = sum(jnp.dot(q_pieces[p.col], t.T, preferred_element_type=jnp.float32, precision=exact)
                    for p, t in zip(pieces, tiles))
         s_hk = jnp.where(valid_k[None, :], s_hk * scale, -jnp.inf)
@@ -176,10 +110,6 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
         ml_ref[1, :] = l_h
 
 
-def _storage(rows) -> list[jax.Array]:
-    return [rows.codes, rows.scales, rows.rope] if isinstance(rows, PackedKV) else [rows]
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "out_dtype", "block_h", "block_k", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
 def sparse_decode_gpu(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, sinks_h: jax.Array, scale: float,
@@ -203,8 +133,8 @@ def sparse_decode_gpu(q_bhd: jax.Array, window, window_len_b: jax.Array, entries
                          f"got {window_pieces} and {entry_pieces}")
 
     per_slot = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda i, j, s: (i,) + (0,) * (a.ndim - 1))  # noqa: E731
-    window_arrays = _storage(window)
-    entry_arrays = [] if entries is None else _storage(entries)
+    window_arrays = storage(window)
+    entry_arrays = [] if entries is None else storage(entries)
     scalars = [window_len_b.astype(jnp.int32),
                (entries_len_b if entries_len_b is not None else jnp.zeros((b,), jnp.int32)).astype(jnp.int32)]
     inputs = [q_bhd, sinks_h.astype(jnp.float32), *scalars, *window_arrays, *entry_arrays]

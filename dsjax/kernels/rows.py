@@ -1,0 +1,91 @@
+"""Cache rows inside GPU (Triton) kernels: which column pieces a kernel tiles a row into, and how it
+loads and dequantizes one piece of a block of rows.
+
+Triton tiles only power-of-two widths, and V4's rows are not: 448 quantized channels and a 64-wide
+bf16 rotary slice. So a row is read as pieces: the whole row for float storage; for fp8 one piece
+per scale group, for fp4 one per 64 columns (32 bytes, two scale groups); then the rotary slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dsjax.quant import FP4_GROUP, PackedKV, ue8m0_to_float
+
+_FP4_PIECE = 64  # columns per fp4 piece: 32 bytes, two scale groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Columns `[col, col + width)` of a row, stored as `kind`: "float", "fp8", "fp4" or "rope"."""
+
+    kind: str
+    col: int
+    width: int
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def row_pieces(rows, width: int, what: str) -> tuple[Piece, ...]:
+    """How a kernel tiles one row of `rows` (array or PackedKV); refuses layouts Triton cannot tile."""
+    if not isinstance(rows, PackedKV):
+        if not _power_of_two(width) or width < 16:
+            raise ValueError(f"GPU kernel: {what} rows of {width} channels; it needs a power of two ≥ 16")
+        return (Piece("float", 0, width),)
+    rd = rows.rope.shape[-1]
+    body = width - rd
+    step = rows.group if rows.fmt == "fp8" else _FP4_PIECE
+    if not _power_of_two(step) or step < 16 or body % step or (rd and (not _power_of_two(rd) or rd < 16)):
+        raise ValueError(f"GPU kernel: {what} rows hold {body} {rows.fmt} channels in groups of "
+                         f"{rows.group} and {rd} rotary channels; it needs the {rows.fmt} channels "
+                         f"in whole pieces of {step} (a power of two ≥ 16) and a power-of-two rotary slice ≥ 16")
+    pieces = tuple(Piece(rows.fmt, c, step) for c in range(0, body, step))
+    return pieces + ((Piece("rope", body, rd),) if rd else ())
+
+
+def _e2m1(code):
+    """e2m1 codes (int32, 0-15) → fp32 values: sign bit 3, exponent bits 2-1, mantissa bit 0."""
+    e, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
+    magnitude = jnp.where(e == 0, 0.5 * m, (2.0 + m) * (1 << e).astype(jnp.float32) * 0.25)
+    return jnp.where(code >= 8, -magnitude, magnitude)
+
+
+def load_piece(refs, piece: Piece, rows_k, dtype, scaled: bool = True):
+    """Piece `piece` of rows `rows_k` as `[block_k, width]` values in `dtype`, dequantized as
+    `quant.unpack_kv` does (fp32 product, one rounding). With `scaled=False` an fp8 piece comes back
+    as `(codes in dtype, its scales [block_k, 1] fp32)`: codes are exact in bf16, so a dot product
+    with them, scaled afterwards, rounds nothing."""
+    if piece.kind == "float":
+        return refs[0][rows_k, :].astype(dtype)
+    codes_ref, scales_ref, *rope_ref = refs
+    if piece.kind == "rope":
+        return rope_ref[0][rows_k, :].astype(dtype)
+    if piece.kind == "fp8":
+        codes = codes_ref[rows_k, pl.ds(piece.col, piece.width)]
+        scale = scales_ref[rows_k, pl.ds(piece.col // piece.width, 1)].astype(jnp.float32)
+        if not scaled:
+            return codes.astype(dtype), scale
+        return (codes.astype(jnp.float32) * scale).astype(dtype)
+    half = piece.width // 2
+    byte = codes_ref[rows_k, pl.ds(piece.col // 2, half)].astype(jnp.int32) & 0xFF
+    # Low nibble = even column: interleave the two halves back into column order.
+    values = jnp.stack([_e2m1(byte & 0xF), _e2m1(byte >> 4)], axis=-1).reshape(byte.shape[0], piece.width)
+    g = piece.col // FP4_GROUP
+    s0 = ue8m0_to_float(scales_ref[rows_k, pl.ds(g, 1)])
+    s1 = ue8m0_to_float(scales_ref[rows_k, pl.ds(g + 1, 1)])
+    column = jax.lax.broadcasted_iota(jnp.int32, (1, piece.width), 1)
+    return (values * jnp.where(column < FP4_GROUP, s0, s1)).astype(dtype)
+
+
+def storage(rows) -> list[jax.Array]:
+    """The arrays a kernel receives for `rows`, in `load_piece`'s order (a zero-width rotary slice is
+    left out)."""
+    if not isinstance(rows, PackedKV):
+        return [rows]
+    return [rows.codes, rows.scales] + ([rows.rope] if rows.rope.shape[-1] else [])

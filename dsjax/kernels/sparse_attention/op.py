@@ -1,0 +1,49 @@
+"""Sparse decode attention as the model calls it: the GPU or TPU kernel where it applies, else the
+pure-JAX reference (`dispatch.py`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from dsjax.kernels.dispatch import dispatch
+from dsjax.kernels.rows import row_pieces
+from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
+from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+
+# Hopper (H100/H200) multiprocessors; used only to decide when to split keys between programs.
+_GPU_CORES = 132
+
+
+def gpu_tiling(b: int, h: int, n_keys: int) -> dict | None:
+    """The GPU kernel's tiling for B slots, H heads and about `n_keys` keys per slot (tuned on an H200 at
+    batch 64 and 128K context: `docs/benchmarks.md`), or None where it cannot tile the heads. Small
+    batches split the keys so that the grid still covers the chip."""
+    block_h = 32 if h % 32 == 0 else 16
+    if h % block_h:
+        return None
+    programs = b * (h // block_h)
+    splits = max(1, min(-(-n_keys // 64) // 2, _GPU_CORES // programs))
+    return dict(block_h=block_h, block_k=64, num_warps=8, num_stages=3, num_splits=splits)
+
+
+def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, sinks_h: jax.Array, scale: float, *,
+                  entries_len_b: jax.Array | None = None, idx_bk: jax.Array | None = None,
+                  kernels: str = "auto") -> jax.Array:
+    """`reference.sparse_decode_reference`'s result, by the kernel `kernels` selects for the platform."""
+    args = (q_bhd, window, window_len_b, entries, sinks_h, scale)
+    kw = dict(entries_len_b=entries_len_b, idx_bk=idx_bk)
+    b, h, d = q_bhd.shape
+    n_keys = jax.tree.leaves(window)[0].shape[1]
+    if entries is not None:
+        n_keys += idx_bk.shape[1] if idx_bk is not None else jax.tree.leaves(entries)[0].shape[1]
+    tiling = gpu_tiling(b, h, n_keys)
+    try:
+        row_pieces(window, d, "window")
+        if entries is not None:
+            row_pieces(entries, d, "entry")
+    except ValueError:
+        tiling = None
+    gpu = None if tiling is None else (lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret))
+    return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels, gpu=gpu)

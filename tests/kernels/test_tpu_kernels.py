@@ -1,0 +1,169 @@
+"""The Pallas TPU kernels (sparse decode attention, indexer scores), run on CPU by the TPU interpreter,
+against the pure-JAX references on fresh random inputs for every cache storage; their lowering for
+TPU (`jax.export` to platform "tpu"); the exact bit-level decoders they dequantize with.
+
+The TPU interpreter is slow: shapes are small and each storage has one or two cases."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from dsjax.kernels.indexer.reference import index_scores_reference
+from dsjax.kernels.indexer.tpu import index_scores_tpu
+from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+from dsjax.kernels.sparse_attention.tpu import e2m1_to_f32, e4m3_to_f32, scales_to_f32, sparse_decode_tpu
+from dsjax.quant import E2M1_VALUES, pack_kv, ue8m0_to_float
+from tests.helpers import assert_close
+
+INTERPRET = pltpu.InterpretParams()
+
+
+def rtol_for(q):
+    return 2e-3 if q.dtype == jnp.bfloat16 else 1e-5
+
+
+def case_id(*parts):
+    *names, options = parts
+    return "-".join([*names, *(f"{k}={getattr(v, '__name__', v)}" for k, v in options.items())])
+
+
+# ------------------------------------------------------------------------------ sparse attention
+def attention_inputs(seed, kv_dtype, mode, *, b=2, h=16, d=128, rd=64, w=32, t=64, k=32, dtype=jnp.bfloat16):
+    """Slot 0 sees no window key; the last slot has no valid pick (CSA) or no entry (HCA). Picks are
+    distinct with -1 holes; sinks of both signs; keys RMS-scale rows, as the model's are."""
+    rng = np.random.default_rng(seed)
+    store = lambda x: x if kv_dtype == "bfloat16" else pack_kv(x, kv_dtype, rd)  # noqa: E731
+    q = jnp.asarray(rng.normal(size=(b, h, d)) * 2, dtype)
+    window = store(jnp.asarray(rng.normal(size=(b, w, d)), jnp.bfloat16))
+    window_len = rng.integers(1, w + 1, size=b)
+    window_len[0] = 0
+    entries, kw = store(jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)), {}
+    if mode == "picks":
+        idx = np.stack([rng.permutation(t)[:k] for _ in range(b)])
+        idx[rng.random((b, k)) < 0.3] = -1
+        idx[-1] = -1
+        kw["idx_bk"] = jnp.asarray(idx, jnp.int32)
+    elif mode == "prefix":
+        n = rng.integers(1, t + 1, size=b)
+        n[-1] = 0
+        kw["entries_len_b"] = jnp.asarray(n, jnp.int32)
+    else:
+        entries = None
+    sinks = jnp.asarray(rng.normal(size=(h,)) * 2, jnp.float32)
+    return (q, window, jnp.asarray(window_len, jnp.int32), entries, sinks, d ** -0.5), kw
+
+
+ATTENTION_CASES = [
+    # (storage, entries, shape, tiling)
+    ("bfloat16", "picks", {}, {"block_k": 16}),  # two window blocks, two gather blocks (double buffer)
+    ("fp8", "picks", {"k": 24}, {}),  # picks padded to a block
+    ("fp4", "picks", {"dtype": jnp.float32}, {}),
+    ("fp4", "prefix", {"w": 16}, {"block_k": 32}),  # two contiguous entry blocks
+    ("bfloat16", "prefix", {"dtype": jnp.float32}, {}),
+    ("fp8", "none", {"dtype": jnp.float32}, {}),  # sliding-window layer
+    ("fp8", "prefix", {}, {"block_h": 8}),  # two head blocks
+]
+
+
+@pytest.mark.parametrize("seed,case", list(enumerate(ATTENTION_CASES)),
+                         ids=[case_id(*c[:2], {**c[2], **c[3]}) for c in ATTENTION_CASES])
+def test_sparse_decode_matches_reference(seed, case):
+    kv_dtype, mode, shape, tiling = case
+    args, kw = attention_inputs(seed, kv_dtype, mode, **shape)
+    # Compared before the output's final rounding: one-ulp bf16 flips alone are 3.9e-3 relative.
+    want = sparse_decode_reference(*args, **kw, out_dtype=jnp.float32)
+    got = sparse_decode_tpu(*args, **kw, out_dtype=jnp.float32, **tiling, interpret=INTERPRET)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    assert_close(np.asarray(got), np.asarray(want), rtol=rtol_for(args[0]), what=f"{kv_dtype} {mode}")
+    default = jax.eval_shape(functools.partial(sparse_decode_tpu, scale=args[-1], **kw, **tiling,
+                                               interpret=INTERPRET), *args[:-1])
+    assert default.dtype == args[0].dtype and default.shape == want.shape
+
+
+@pytest.mark.parametrize("kv_dtype,mode", [("fp8", "picks"), ("fp4", "prefix"), ("bfloat16", "none")])
+def test_sparse_decode_lowers_for_tpu(kv_dtype, mode):
+    args, kw = attention_inputs(0, kv_dtype, mode)
+    fn = jax.jit(functools.partial(sparse_decode_tpu, scale=args[-1]))
+    exported = jax.export.export(fn, platforms=["tpu"])(*args[:-1], **kw)
+    assert exported.platforms == ("tpu",)
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_sparse_decode_refuses_untileable_shapes():
+    args, kw = attention_inputs(0, "bfloat16", "picks", w=48)
+    with pytest.raises(ValueError, match="48 window rows cannot be tiled"):
+        sparse_decode_tpu(*args, **kw, block_k=32, interpret=INTERPRET)
+    args, kw = attention_inputs(0, "bfloat16", "prefix", h=12)
+    with pytest.raises(ValueError, match="block_h"):
+        sparse_decode_tpu(*args, **kw, block_h=8, interpret=INTERPRET)
+
+
+# ------------------------------------------------------------------------------- indexer scores
+def index_inputs(seed, keys, *, b=2, h=16, c=128, t=64, dtype=jnp.bfloat16, group=128, rd=0):
+    """Slot 0 has no key; the others a random count."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(b, h, c)), dtype)
+    weights = jnp.asarray(rng.normal(size=(b, h)), jnp.float32)
+    k = rng.normal(size=(b, t, c))
+    k = pack_kv(jnp.asarray(k, jnp.float32), "fp8", rd, group) if keys == "fp8" else jnp.asarray(k, keys)
+    keys_len = rng.integers(1, t + 1, size=b)
+    keys_len[0] = 0
+    return q, weights, k, jnp.asarray(keys_len, jnp.int32), c ** -0.5
+
+
+INDEX_CASES = [
+    ("bfloat16", {}, {}),
+    ("float32", {"dtype": jnp.float32, "t": 256}, {"block_t": 128}),  # a block past a slot's keys is skipped
+    ("float32", {}, {}),  # bf16 queries, fp32 keys: an fp32 dot
+    ("fp8", {"group": 64}, {}),  # two scale groups
+    ("fp8", {"dtype": jnp.float32}, {}),
+]
+
+
+@pytest.mark.parametrize("seed,case", list(enumerate(INDEX_CASES)),
+                         ids=[case_id(c[0], {**c[1], **c[2]}) for c in INDEX_CASES])
+def test_index_scores_match_reference(seed, case):
+    keys, shape, tiling = case
+    args = index_inputs(seed, keys, **shape)
+    want = np.asarray(index_scores_reference(*args))
+    got = np.asarray(index_scores_tpu(*args, **tiling, interpret=INTERPRET))
+    assert got.dtype == np.float32 and got.shape == want.shape
+    visible = np.isfinite(want)
+    assert not visible[0].any() and visible.any()
+    np.testing.assert_array_equal(np.isfinite(got), visible)
+    assert (got[~visible] == -np.inf).all()
+    assert_close(got[visible], want[visible], rtol=rtol_for(args[0]), what=keys)
+
+
+@pytest.mark.parametrize("keys", ["fp8", "bfloat16"])
+def test_index_scores_lower_for_tpu(keys):
+    q, weights, k, keys_len, scale = index_inputs(0, keys)
+    fn = jax.jit(functools.partial(index_scores_tpu, scale=scale))
+    exported = jax.export.export(fn, platforms=["tpu"])(q, weights, k, keys_len)
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_index_scores_refuse_fp4_keys_and_untileable_blocks():
+    q, weights, _, keys_len, scale = index_inputs(0, "bfloat16")
+    fp4 = pack_kv(jnp.zeros((2, 64, 128), jnp.float32), "fp4", 0)
+    with pytest.raises(ValueError, match="fp4"):
+        index_scores_tpu(q, weights, fp4, keys_len, scale, interpret=INTERPRET)
+    args = index_inputs(0, "bfloat16", t=256)
+    with pytest.raises(ValueError, match="block_t=100"):
+        index_scores_tpu(*args, block_t=100, interpret=INTERPRET)
+
+
+# ------------------------------------------------------------------------------------- decoders
+def test_bit_decoders_are_exact():
+    byte = jnp.arange(256, dtype=jnp.int32)
+    want = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(e4m3_to_f32(byte)), want)
+    np.testing.assert_array_equal(np.signbit(np.asarray(e4m3_to_f32(byte))), np.signbit(want))
+    np.testing.assert_array_equal(np.asarray(e2m1_to_f32(jnp.arange(16, dtype=jnp.int32))), E2M1_VALUES)
+    u8 = jnp.arange(256, dtype=jnp.int32).astype(jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(scales_to_f32(u8)), np.asarray(ue8m0_to_float(u8)))

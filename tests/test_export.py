@@ -1,0 +1,210 @@
+"""`dsjax export`: the exported steps, deserialized and called with a real tiny model's weights and a real
+cache, equal the engine's own jitted steps; cuda and tpu artifacts are written (and deserialize) on this
+CPU machine; bad input is refused before anything is traced, and the output folder is never half-written."""
+
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsjax.cli import main
+from dsjax.config import ModelConfig
+from dsjax.engine import steps
+from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingParams
+from dsjax.export import ALLOWED_CUSTOM_CALLS, MANIFEST, STEP_FILES, _write, export_steps, load_steps
+from dsjax.model import DeepseekV4
+
+SLOTS, MAX_LEN, CHUNK, ROWS = 4, 32, 8, 2
+SIZES = ["--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--chunk", str(CHUNK)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ModelConfig.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def cpu_export(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "cpu"
+    manifest = export_steps(tiny, "cpu", out, slots=SLOTS, max_len=MAX_LEN, chunk_size=CHUNK, prefill_rows=ROWS,
+                            weights="bf16", dtype="float32", model_name="tiny")
+    return out, manifest
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)  # the steps donate their cache
+
+
+def _assert_same(ours, ref, what):
+    ours_l, ours_def = jax.tree.flatten(ours)
+    ref_l, ref_def = jax.tree.flatten(ref)
+    assert ours_def == ref_def, what
+    for i, (a, b) in enumerate(zip(ours_l, ref_l)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, i)
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"{what}: leaf {i}")
+
+
+def test_cpu_round_trip_equals_the_engines_steps(tiny, cpu_export):
+    out, manifest = cpu_export
+    assert sorted(os.listdir(out)) == sorted([MANIFEST, *STEP_FILES.values()])
+    model = DeepseekV4(tiny, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    engine = steps.Engine(model, SLOTS, MAX_LEN, CHUNK)
+    loaded = load_steps(out)
+    assert loaded.manifest == json.loads((out / MANIFEST).read_text()) == manifest
+    assert loaded.exported["decode"].platforms == ("cpu",) == loaded.exported["prefill"].platforms
+
+    # The weights are inputs, not constants: each program is smaller than the weights it takes.
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    assert all(d["bytes"] < weight_bytes / 4 for d in manifest["steps"].values())
+    assert [e["path"] for e in manifest["params"]] == [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(engine.params)[0]]
+
+    # A cache with a history: two prompts prefilled by the engine (13 tokens in slot 2, 6 in slot 0).
+    rng = np.random.default_rng(0)
+    vocab = tiny.vocab_size
+    greedy_and_sampled = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50, top_p=0.9)]
+    cache = loaded.new_cache()
+    _assert_same(cache, engine.new_cache(), "new cache")
+    cache, _ = engine.prefill(cache, [list(rng.integers(0, vocab, 13)), list(rng.integers(0, vocab, 6))], [2, 0],
+                              SamplingArrays.of(greedy_and_sampled, [11, 12]))
+
+    # One prefill chunk: slot 1 from position 0, slot 2 going on from 13.
+    inputs = (jnp.asarray(rng.integers(0, vocab, (ROWS, CHUNK)), jnp.int32), jnp.asarray([1, 2], jnp.int32),
+              jnp.asarray([0, 13], jnp.int32), jnp.asarray([8, 5], jnp.int32))
+    sampling = SamplingArrays.of(greedy_and_sampled, [3, 4])
+    ref_cache, ref = steps._prefill_chunk(engine.graphdef, engine.params, _copy(cache), *inputs, sampling)
+    got_cache, got = loaded.prefill(engine.params, _copy(cache), *inputs, sampling)
+    assert isinstance(got, Sampled)
+    _assert_same(got, ref, "prefill sampled")
+    _assert_same(got_cache, ref_cache, "prefill cache")
+    assert np.asarray(got_cache.lengths).tolist() == [6, 8, 18, 0]
+
+    # Then a decode step over every slot, slot 3 idle.
+    last = jnp.asarray(rng.integers(0, vocab, SLOTS), jnp.int32)
+    active = jnp.asarray([True, True, True, False])
+    sampling = SamplingArrays.of(greedy_and_sampled * 2, [5, 6, 7, 8])
+    ref_cache, ref = steps._decode(engine.graphdef, engine.params, _copy(got_cache), last, active, sampling)
+    got_cache, got = loaded.decode(engine.params, got_cache, last, active, sampling)
+    _assert_same(got, ref, "decode sampled")
+    _assert_same(got_cache, ref_cache, "decode cache")
+    assert np.asarray(got_cache.lengths).tolist() == [7, 9, 19, 0]
+
+    # The raw Exported takes leaves, arrays and a dict: what the manifest's inputs list, in order.
+    flat_in = [*loaded.flat_params(engine.params), *loaded.flat_cache(ref_cache), last, active,
+               *[v for _, v in sorted(vars(sampling).items())]]
+    spec = manifest["steps"]["decode"]["inputs"]
+    assert [(list(x.shape), str(x.dtype)) for x in flat_in] == [(e["shape"], e["dtype"]) for e in spec]
+    assert [e["name"] for e in spec[-4:]] == [f"sampling['{k}']" for k in ("seed", "temperature", "top_k", "top_p")]
+
+
+def test_the_loader_names_a_leaf_that_does_not_match(tiny, cpu_export):
+    loaded = load_steps(cpu_export[0])
+    bf16 = nnx.split(nnx.eval_shape(lambda: DeepseekV4(tiny, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)))[1]
+    with pytest.raises(ValueError, match=r"params\['embed_tokens'\]\['weight'\].*takes float32\[512, 64\], got "
+                                         r"bfloat16\[512, 64\]"):
+        loaded.flat_params(bf16)
+    f32 = nnx.split(nnx.eval_shape(lambda: DeepseekV4(tiny, rngs=nnx.Rngs(0), dtype=jnp.float32)))[1]
+    with pytest.raises(ValueError, match="last_tokens must be int32"):
+        loaded.decode(f32, loaded.new_cache(), jnp.zeros(SLOTS, jnp.float32), jnp.ones(SLOTS, bool),
+                      SamplingArrays.of([SamplingParams()] * SLOTS, range(SLOTS)))
+
+
+@pytest.mark.parametrize("platform,more", [("cuda", []), ("tpu", ["--mesh", "ep=8", "--slots", "8"])])
+def test_accelerator_artifacts_are_written_here(platform, more, tmp_path, capsys):
+    """A one-device cuda export, and a tpu export for an 8-device expert-parallel mesh (which needs no devices
+    either: it is lowered on an abstract mesh)."""
+    out = tmp_path / platform
+    assert main(["export", "--preset", "tiny", "--platform", platform, "--out", str(out), *SIZES, *more]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"{out}: tiny for {platform} (")
+    m = json.loads((out / MANIFEST).read_text())
+    slots, devices = (8, 8) if more else (4, 1)
+    assert (m["platform"], m["slots"], m["max_len"], m["chunk_size"], m["prefill_rows"]) == (
+        platform, slots, 32, 8, slots)
+    assert (m["weights"], m["dtype"], m["kv_dtype"], m["devices"], m["jax_version"]) == (
+        "fp8", "bfloat16", None, devices, jax.__version__)
+    assert ModelConfig.from_hf(m["config"]).quantization is not None  # fp8: the release storage
+    assert any(e["dtype"] == "float8_e4m3fn" for e in m["params"])
+    loaded = load_steps(out)  # deserializes; these cannot run on this machine
+    for name, e in loaded.exported.items():
+        assert e.platforms == (platform,), name
+        assert e.nr_devices == devices
+        assert len(e.in_avals) == len(m["steps"][name]["inputs"]) == len(m["params"]) + len(m["cache"]) + (
+            6 if name == "decode" else 8)
+        allowed = {jax.export.DisabledSafetyCheck.custom_call(t) for t in ALLOWED_CUSTOM_CALLS[platform]}
+        assert allowed <= set(e.disabled_safety_checks)
+    if more:  # laid out as the rules say; k = 2 < ep = 8: tokens go to the experts by ragged all-to-all
+        assert m["mesh"] == {"dp": 1, "ep": 8, "tp": 1}
+        assert {e["sharding"] for e in m["cache"][1:]} == {"P(None, 'ep')"}
+        assert "ragged_all_to_all" in loaded.exported["decode"].mlir_module()
+    else:
+        assert m["mesh"] is None and all("sharding" not in e for e in m["params"] + m["cache"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--platform", "gpu"], r"platform 'gpu' is not one of cpu, cuda, rocm, tpu \(NVIDIA GPUs: cuda"),
+    (["--max-len", "0"], "max_len must be a positive integer"),
+    (["--prefill-rows", "5"], r"prefill_rows must be between 1 and slots \(4\)"),
+    (["--mesh", "ep=3"], "ep=3 does not divide the model's 8 routed experts"),
+    (["--mesh", "dp=3"], r"slots \(4\) must be a multiple of the 3 devices"),
+])
+def test_bad_input_is_refused_with_its_reason(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = {"--preset": "tiny", "--platform": "cpu", "--out": str(out), **dict(zip(SIZES[::2], SIZES[1::2]))}
+    args.update(zip(argv[::2], argv[1::2]))
+    assert main(["export", *[x for kv in args.items() for x in kv]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsjax export: error: ") and re.search(message, err), err
+    assert os.listdir(tmp_path) == []  # nothing written, no temporary folder left
+
+
+def test_an_occupied_output_folder_is_refused_unless_it_is_an_earlier_export_and_forced(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+
+    def run(folder, *more):
+        return main(["export", "--preset", "tiny", "--platform", "cpu", "--out", str(folder), *SIZES, *more])
+
+    assert run(out) == 2
+    assert "exists and is not empty; pass --force" in capsys.readouterr().err
+    assert run(out, "--force") == 2
+    assert "holds no earlier export (no manifest.json)" in capsys.readouterr().err
+    assert run(tmp_path / "file") == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+    assert os.listdir(out) == ["notes.txt"] and sorted(os.listdir(tmp_path)) == ["file", "out"]
+
+
+def test_writing_is_all_or_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "sub" / "out"
+    _write(out, {MANIFEST: b"{}", "a": b"1"}, force=False)  # parents made, the folder appears whole
+    assert sorted(os.listdir(out)) == sorted([MANIFEST, "a"])
+    with pytest.raises(ValueError, match="not empty"):
+        _write(out, {MANIFEST: b"{}"}, force=False)
+    _write(out, {MANIFEST: b"{ }", "b": b"2"}, force=True)  # an earlier export is replaced whole
+    assert sorted(os.listdir(out)) == sorted([MANIFEST, "b"]) and (out / MANIFEST).read_bytes() == b"{ }"
+    assert os.listdir(out.parent) == ["out"]
+
+    calls = []
+
+    def failing_fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        _write(out, {MANIFEST: b"new", "c": b"3"}, force=True)
+    assert sorted(os.listdir(out)) == sorted([MANIFEST, "b"]) and (out / MANIFEST).read_bytes() == b"{ }"  # kept
+    with pytest.raises(OSError, match="disk full"):
+        calls.clear()
+        _write(tmp_path / "fresh", {MANIFEST: b"new", "c": b"3"}, force=False)
+    assert sorted(os.listdir(tmp_path)) == ["sub"] and os.listdir(out.parent) == ["out"]  # no leftovers
