@@ -32,12 +32,18 @@ starting at `start` into slot `slots[i]` (distinct slots; rows with n_valid 0 ri
 
 Loading (here, with a real model and cache):
 
+    import dsjax, jax.numpy as jnp
     from flax import nnx
+    from dsjax.engine.sampling import SamplingArrays, SamplingParams
     from dsjax.export import load_steps
 
     steps = load_steps("DIR")                       # deserializes both, checks the files' hashes
-    graphdef, params = nnx.split(model)             # a model of the exported config, weights and dtype
+    # the exported model, weights stored as exported: --weights fp8 keeps a release checkpoint's FP8/FP4
+    # (load_model's default weights="keep"), --weights bf16 wants float weights (weights="bf16"), in --dtype
+    model = dsjax.load_model("path/to/checkpoint", dtype=jnp.bfloat16)
+    graphdef, params = nnx.split(model)
     cache = steps.new_cache()                       # or Engine(model, slots, max_len, ...).new_cache()
+    sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * n, seeds)   # n = rows of the step
     cache, sampled = steps.prefill(params, cache, tokens, slots, start, n_valid, sampling)
     cache, sampled = steps.decode(params, cache, last_tokens, active, sampling)
 
@@ -46,7 +52,15 @@ State, a `Cache`, a `SamplingArrays` or a dict of its fields), check every leaf'
 against the manifest (a mismatch raises ValueError naming the leaf), call the deserialized function
 with the cache donated, and return a `Cache` and a `Sampled`, as the engine's steps do. The raw
 `jax.export.Exported` objects are `steps.exported["decode"]` and `["prefill"]`:
-`exported.call(steps.flat_params(params), steps.flat_cache(cache), *inputs, sampling_dict)`.
+`exported.call(steps.flat_params(params), steps.flat_cache(cache), *inputs, sampling_dict)`; flattened,
+the dicts' entries come in sorted key order (the manifest's `inputs` and `outputs` list every array).
+
+Where the artifacts run: on the exported platform only, with the jax/jaxlib the manifest names (Pallas
+Triton calls carry Triton IR, which has no stability promise across versions); GPU kernels are lowered
+for `device_kind` (an abstract device: this host needs none). A `--mesh` export is the SPMD program for
+that mesh's device count: place every input as the manifest's `sharding` entries say
+(`exported.in_shardings_jax(mesh)` gives them for a concrete mesh of the same axes) before calling it;
+`new_cache` makes a one-device cache.
 
 One platform per artifact: the model picks Pallas kernels with `jax.lax.platform_dependent`, and a
 program holding Pallas calls cannot be lowered for several platforms at once. The custom calls each
@@ -123,7 +137,7 @@ def check_out_dir(out: str | os.PathLike, force: bool = False) -> Path:
     (with `force`) is an earlier export (it holds a manifest.json). Anything else raises ValueError."""
     out = Path(out)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ValueError(f"output {str(out)!r} exists and is not a folder")
+        raise ValueError(f"output {str(out)!r} exists and is not a folder (or is a symbolic link)")
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise ValueError(f"output folder {str(out)!r} exists and is not empty; pass --force (force=True) to "

@@ -84,3 +84,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 544,
     },
 }
+
+# The tiny preset at the shapes the decode kernels tile (16 query heads, 128-wide K=V rows with a 64-wide
+# rotary slice, 16 index heads of 64): for tests and exports that must run through the kernels.
+PRESETS["tiny-kernels"] = {**PRESETS["tiny"], "num_attention_heads": 16, "head_dim": 128,
+                           "partial_rotary_factor": 0.5, "index_head_dim": 64, "sliding_window": 16,
+                           "index_topk": 8}

@@ -9,11 +9,14 @@ per call is the difference between calls of 24 and of 8 sets, over 16 (launch an
     python scripts/bench_kernels.py attention --batch 1 64 256 --context 4096 131072 1048576
     python scripts/bench_kernels.py tune --batch 64 --context 131072
     python scripts/bench_kernels.py indexer --batch 1 64 --context 131072
+    dsjax export --preset tiny-kernels --platform cuda --weights bf16 --out build/export-cuda   # (on CPU)
+    python scripts/bench_kernels.py export --artifact build/export-cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -28,6 +31,15 @@ from dsjax.config import CSA, HCA, ModelConfig
 from dsjax.quant import FP8, KV_FP8_GROUP, FP4_GROUP, PackedKV
 
 KV_DTYPES = ("bfloat16", "fp8", "fp4")
+
+
+def emit(args, rows: list, row: dict, bandwidth: float) -> None:
+    """Keep a result row: print it and append it to `--json` at once, so a run cut short keeps its rows."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps({"device": jax.devices()[0].device_kind, "copy_TBps": bandwidth / 1e12, **row}) + "\n")
 
 
 def timed(fn, make_sets, shared=(), few: int = 8, many: int = 24, repeats: int = 7) -> float:
@@ -129,6 +141,7 @@ def attention_case(cfg: ModelConfig, batch: int, context: int, kv_dtype: str, la
 
 def bench_attention(args, cfg, bandwidth):
     from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
+    from dsjax.kernels.sparse_attention.op import gpu_tiling
     from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
 
     rows = []
@@ -138,8 +151,13 @@ def bench_attention(args, cfg, bandwidth):
             continue
         entries, make_set, n_bytes, flops = attention_case(cfg, batch, context, kv_dtype, layer)
 
+        t_rows = jax.tree.leaves(entries)[0].shape[1]
+        tiling = gpu_tiling(batch, cfg.num_attention_heads,
+                            cfg.sliding_window + (min(cfg.index_topk, t_rows) if layer == CSA else t_rows))
+
         def kernel(entries, q, window, wlen, sinks, extra):
-            return sparse_decode_gpu(q, window, wlen, entries, sinks, scale, **extra, interpret=args.interpret)
+            return sparse_decode_gpu(q, window, wlen, entries, sinks, scale, **extra, **tiling,
+                                     interpret=args.interpret)
 
         def reference(entries, q, window, wlen, sinks, extra):
             return sparse_decode_reference(q, window, wlen, entries, sinks, scale, **extra)
@@ -150,11 +168,12 @@ def bench_attention(args, cfg, bandwidth):
         rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         t_kernel = timed(kernel, make_set, (entries,))
         t_ref = timed(reference, make_set, (entries,)) if not args.no_reference else float("nan")
-        rows.append({"op": "attention", "layer": "CSA" if layer == CSA else "HCA", "batch": batch,
-                     "context": context, "kv": kv_dtype, "kernel_us": t_kernel * 1e6, "reference_us": t_ref * 1e6,
-                     "speedup": t_ref / t_kernel, "MB": n_bytes / 1e6, "GBps": n_bytes / t_kernel / 1e9,
-                     "of_copy": n_bytes / t_kernel / bandwidth, "TFLOPs": flops / t_kernel / 1e12, "rel_err": rel})
-        print(json.dumps(rows[-1]), flush=True)
+        emit(args, rows, {"op": "attention", "layer": "CSA" if layer == CSA else "HCA", "batch": batch,
+                          "context": context, "kv": kv_dtype, "kernel_us": t_kernel * 1e6,
+                          "reference_us": t_ref * 1e6, "speedup": t_ref / t_kernel, "splits": tiling["num_splits"],
+                          "MB": n_bytes / 1e6, "GBps": n_bytes / t_kernel / 1e9,
+                          "of_copy": n_bytes / t_kernel / bandwidth, "TFLOPs": flops / t_kernel / 1e12,
+                          "rel_err": rel}, bandwidth)
         del entries
     return rows
 
@@ -179,15 +198,118 @@ def bench_tune(args, cfg, bandwidth):
             except Exception as e:  # a tiling the compiler refuses (registers, shared memory)
                 print(f"{tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
-            rows.append({"op": "tune", "batch": batch, "context": context, "kv": kv_dtype, **tiling,
-                         "kernel_us": t * 1e6, "of_copy": n_bytes / t / bandwidth})
-            print(json.dumps(rows[-1]), flush=True)
+            emit(args, rows, {"op": "tune", "batch": batch, "context": context, "kv": kv_dtype, **tiling,
+                         "kernel_us": t * 1e6, "of_copy": n_bytes / t / bandwidth}, bandwidth)
+    return rows
+
+
+def bench_indexer(args, cfg, bandwidth):
+    from dsjax.kernels.indexer.gpu import index_scores_gpu
+    from dsjax.kernels.indexer.reference import index_scores_reference
+    from dsjax.quant import INDEX_FP8_GROUP
+
+    rows = []
+    nh, c = cfg.index_n_heads, cfg.index_head_dim
+    scale = c ** -0.5
+    for batch, context, kv_dtype in itertools.product(args.batch, args.context, args.kv_dtype):
+        if batch * context > args.max_tokens or kv_dtype == "fp4":  # index keys are never fp4
+            continue
+        t = context // cfg.compress_rate_csa
+        k1, k2 = jax.random.split(jax.random.key(0))
+        if kv_dtype == "fp8":
+            keys = PackedKV(jax.random.normal(k1, (batch, t, c), jnp.float32).astype(FP8),
+                            jax.random.uniform(k2, (batch, t, c // INDEX_FP8_GROUP), jnp.float32, 0.5, 2.0),
+                            jnp.zeros((batch, t, 0), jnp.bfloat16), INDEX_FP8_GROUP)
+        else:
+            keys = jax.random.normal(k1, (batch, t, c), jnp.bfloat16)
+
+        def make_set(i):
+            kq, kw = jax.random.split(jax.random.key(1000 + i))
+            return (jax.random.normal(kq, (batch, nh, c), jnp.bfloat16),
+                    jax.random.normal(kw, (batch, nh), jnp.float32),
+                    jnp.full((batch,), t, jnp.int32))
+
+        n_bytes = batch * (t * (row_bytes(keys) + 4) + nh * c * 2 + nh * 4)
+        flops = batch * 2 * nh * c * t
+        ref = lambda keys, q, w, n: index_scores_reference(q, w, keys, n, scale)  # noqa: E731
+        want = np.asarray(jax.jit(ref)(keys, *make_set(0)))
+        t_ref = float("nan") if args.no_reference else timed(ref, make_set, (keys,))
+        for block_t, tiles, warps in itertools.product(args.block_t, args.tiles, args.num_warps):
+            def kernel(keys, q, w, n, block_t=block_t, tiles=tiles, warps=warps):
+                return index_scores_gpu(q, w, keys, n, scale, block_t=block_t, tiles=tiles, num_warps=warps,
+                                        interpret=args.interpret)
+
+            got = np.asarray(jax.jit(kernel)(keys, *make_set(0)))
+            rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            t_kernel = timed(kernel, make_set, (keys,))
+            emit(args, rows, {"op": "indexer", "batch": batch, "context": context, "kv": kv_dtype,
+                              "block_t": block_t, "tiles": tiles, "warps": warps, "kernel_us": t_kernel * 1e6,
+                              "reference_us": t_ref * 1e6, "speedup": t_ref / t_kernel, "MB": n_bytes / 1e6,
+                              "GBps": n_bytes / t_kernel / 1e9, "of_copy": n_bytes / t_kernel / bandwidth,
+                              "TFLOPs": flops / t_kernel / 1e12, "rel_err": rel}, bandwidth)
+        del keys
+    return rows
+
+
+def bench_export(args, cfg, bandwidth):
+    """Load a `dsjax export` artifact, run its prefill and decode steps with random weights, check them
+    against the engine's own jitted steps (greedy tokens equal, logprobs close) and time a decode step."""
+    from flax import nnx
+
+    from dsjax.engine.sampling import SamplingArrays, SamplingParams
+    from dsjax.engine.steps import Engine
+    from dsjax.export import load_steps
+    from dsjax.model import DeepseekV4
+
+    steps = load_steps(args.artifact)
+    m = steps.manifest
+    if m["weights"] != "bf16":
+        raise SystemExit(f"{args.artifact}: exported for {m['weights']} weights; this check builds random "
+                         "float weights (export with --weights bf16)")
+    model = DeepseekV4(steps.config(), rngs=nnx.Rngs(0), dtype=jnp.dtype(m["dtype"]))
+    engine = Engine(model, m["slots"], m["max_len"], m["chunk_size"], jnp.dtype(m["cache_dtype"]), m["kv_dtype"])
+    n = m["prefill_rows"]
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, model.cfg.vocab_size, int(rng.integers(1, m["chunk_size"] + 1))))
+               for _ in range(n)]
+    greedy = SamplingArrays.of([SamplingParams(temperature=0.0, logprobs=1)] * n, list(range(n)))
+    cache, first = engine.prefill(engine.new_cache(), prompts, list(range(n)), greedy)
+    decode_sampling = SamplingArrays.of([SamplingParams(temperature=0.0, logprobs=1)] * m["slots"],
+                                        list(range(m["slots"])))
+    active = jnp.arange(m["slots"]) < n
+    last = jnp.zeros((m["slots"],), jnp.int32).at[:n].set(first.token)
+    runs = {}
+    for who in ("engine", "artifact"):
+        c, tokens, logprobs = jax.tree.map(jnp.copy, cache), last, []
+        step = engine.decode if who == "engine" else functools.partial(steps.decode, engine.params)
+        out_tokens = []
+        for i in range(args.steps):
+            if i == 2:  # the first calls compile
+                jax.block_until_ready(c)
+                t0 = time.perf_counter()
+            c, sampled = step(c, tokens, active, decode_sampling)
+            tokens = sampled.token
+            out_tokens.append(np.asarray(tokens[:n]))
+            logprobs.append(np.asarray(sampled.logprob[:n]))
+        jax.block_until_ready(c)
+        runs[who] = (np.stack(out_tokens), np.stack(logprobs), (time.perf_counter() - t0) / (args.steps - 2))
+    same = bool(np.array_equal(runs["engine"][0], runs["artifact"][0]))
+    row = {"op": "export", "artifact": args.artifact, "platform": m["platform"], "model": m["model"],
+           "slots": m["slots"], "max_len": m["max_len"], "steps": args.steps, "same_tokens": same,
+           "max_logprob_diff": float(np.max(np.abs(runs["engine"][1] - runs["artifact"][1]))),
+           "engine_step_ms": runs["engine"][2] * 1e3, "artifact_step_ms": runs["artifact"][2] * 1e3}
+    rows = []
+    emit(args, rows, row, bandwidth)
+    if not same:
+        raise SystemExit("the exported decode step gave other tokens than the engine's")
     return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("attention", "tune", "indexer"))
+    p.add_argument("what", choices=("attention", "tune", "indexer", "export"))
+    p.add_argument("--artifact", help="export: a `dsjax export` folder for this platform")
+    p.add_argument("--steps", type=int, default=32, help="export: decode steps to compare and time")
     p.add_argument("--preset", default="v4.1-flash")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--context", type=int, nargs="+", default=[4096, 131072, 1048576])
@@ -196,8 +318,10 @@ def main(argv=None) -> int:
     p.add_argument("--splits", type=int, nargs="+", default=[1])
     p.add_argument("--block-h", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--block-k", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8], help="tune: attention; indexer: first")
     p.add_argument("--num-stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--block-t", type=int, nargs="+", default=[64], help="indexer keys per block")
+    p.add_argument("--tiles", type=int, nargs="+", default=[4], help="indexer blocks per program")
     p.add_argument("--max-tokens", type=int, default=64 * 1048576, help="skip sizes of more batch × context")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--interpret", action="store_true", help="run the kernels interpreted (a CPU smoke test)")
@@ -207,15 +331,12 @@ def main(argv=None) -> int:
     cfg = ModelConfig.preset(args.preset)
     bandwidth = copy_bandwidth(32 << 20 if args.interpret else 2 << 30)
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
-    rows = {"attention": bench_attention, "tune": bench_tune}[args.what](args, cfg, bandwidth)
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps({"device": jax.devices()[0].device_kind, "copy_TBps": bandwidth / 1e12, **r}) + "\n")
-    keys = [k for k in rows[0] if k not in ("op",)] if rows else []
+    rows = {"attention": bench_attention, "tune": bench_tune, "indexer": bench_indexer,
+            "export": bench_export}[args.what](args, cfg, bandwidth)
+    keys = list(dict.fromkeys(k for r in rows for k in r if k != "op"))
     print(" ".join(f"{k:>10}" for k in keys))
     for r in sorted(rows, key=lambda r: r.get("kernel_us", 0)) if args.what == "tune" else rows:
-        print(" ".join(f"{v:>10.4g}" if isinstance(v, float) else f"{v!s:>10}" for v in (r[k] for k in keys)))
+        print(" ".join(f"{v:>10.4g}" if isinstance(v, float) else f"{v!s:>10}" for v in (r.get(k, "") for k in keys)))
     return 0
 
 

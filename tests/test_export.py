@@ -1,7 +1,9 @@
-"""`dsjax export`: the exported steps, deserialized and called with a real tiny model's weights and a real
-cache, equal the engine's own jitted steps; cuda and tpu artifacts are written (and deserialize) on this
-CPU machine; bad input is refused before anything is traced, and the output folder is never half-written."""
+"""`dsjax export`: the exported steps, deserialized and called with a real tiny model's weights (a tiny-preset
+checkpoint in DeepSeek's release format, FP8 and FP4 weights kept, fp32 activations) and a real cache, equal
+the engine's own jitted steps; cuda and tpu artifacts are written (and deserialize) on this CPU machine; bad
+input is refused before anything is traced, and the output folder is never half-written."""
 
+import functools
 import json
 import os
 import re
@@ -12,14 +14,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import dsjax
 from dsjax.cli import main
 from dsjax.config import ModelConfig
 from dsjax.engine import steps
 from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingParams
 from dsjax.export import ALLOWED_CUSTOM_CALLS, MANIFEST, STEP_FILES, _write, export_steps, load_steps
 from dsjax.model import DeepseekV4
+from dsjax.quantize import V4_QUANT
 
-SLOTS, MAX_LEN, CHUNK, ROWS = 4, 32, 8, 2
+SLOTS, MAX_LEN, CHUNK, ROWS = 4, 32, 8, 2  # ROWS: the cpu export's prefill rows
 SIZES = ["--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--chunk", str(CHUNK)]
 
 
@@ -29,15 +33,17 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
+def model(release):
+    """The tiny preset's random release-format checkpoint (conftest), loaded as a job loads one."""
+    return dsjax.load_model(release, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
 def cpu_export(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "cpu"
     manifest = export_steps(tiny, "cpu", out, slots=SLOTS, max_len=MAX_LEN, chunk_size=CHUNK, prefill_rows=ROWS,
-                            weights="bf16", dtype="float32", model_name="tiny")
+                            weights="fp8", dtype="float32", model_name="tiny")
     return out, manifest
-
-
-def _copy(tree):
-    return jax.tree.map(jnp.copy, tree)  # the steps donate their cache
 
 
 def _assert_same(ours, ref, what):
@@ -50,13 +56,13 @@ def _assert_same(ours, ref, what):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"{what}: leaf {i}")
 
 
-def test_cpu_round_trip_equals_the_engines_steps(tiny, cpu_export):
+def test_cpu_round_trip_equals_the_engines_steps(tiny, model, cpu_export):
     out, manifest = cpu_export
     assert sorted(os.listdir(out)) == sorted([MANIFEST, *STEP_FILES.values()])
-    model = DeepseekV4(tiny, rngs=nnx.Rngs(0), dtype=jnp.float32)
     engine = steps.Engine(model, SLOTS, MAX_LEN, CHUNK)
     loaded = load_steps(out)
     assert loaded.manifest == json.loads((out / MANIFEST).read_text()) == manifest
+    assert loaded.config() == model.cfg  # the preset, stored as the release stores it
     assert loaded.exported["decode"].platforms == ("cpu",) == loaded.exported["prefill"].platforms
 
     # The weights are inputs, not constants: each program is smaller than the weights it takes.
@@ -65,64 +71,81 @@ def test_cpu_round_trip_equals_the_engines_steps(tiny, cpu_export):
     assert [e["path"] for e in manifest["params"]] == [
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(engine.params)[0]]
 
-    # A cache with a history: two prompts prefilled by the engine (13 tokens in slot 2, 6 in slot 0).
+    # Two prefill chunks (slots 2 and 0 from position 0; then slot 1 from 0 and slot 2 going on from 8),
+    # then three decode steps with slot 3 idle: past the window (8) and the CSA (4) and HCA (8) boundaries.
     rng = np.random.default_rng(0)
-    vocab = tiny.vocab_size
     greedy_and_sampled = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50, top_p=0.9)]
-    cache = loaded.new_cache()
-    _assert_same(cache, engine.new_cache(), "new cache")
-    cache, _ = engine.prefill(cache, [list(rng.integers(0, vocab, 13)), list(rng.integers(0, vocab, 6))], [2, 0],
-                              SamplingArrays.of(greedy_and_sampled, [11, 12]))
 
-    # One prefill chunk: slot 1 from position 0, slot 2 going on from 13.
-    inputs = (jnp.asarray(rng.integers(0, vocab, (ROWS, CHUNK)), jnp.int32), jnp.asarray([1, 2], jnp.int32),
-              jnp.asarray([0, 13], jnp.int32), jnp.asarray([8, 5], jnp.int32))
-    sampling = SamplingArrays.of(greedy_and_sampled, [3, 4])
-    ref_cache, ref = steps._prefill_chunk(engine.graphdef, engine.params, _copy(cache), *inputs, sampling)
-    got_cache, got = loaded.prefill(engine.params, _copy(cache), *inputs, sampling)
-    assert isinstance(got, Sampled)
-    _assert_same(got, ref, "prefill sampled")
-    _assert_same(got_cache, ref_cache, "prefill cache")
-    assert np.asarray(got_cache.lengths).tolist() == [6, 8, 18, 0]
+    def tokens(*shape):
+        return jnp.asarray(rng.integers(0, tiny.vocab_size, shape), jnp.int32)
 
-    # Then a decode step over every slot, slot 3 idle.
-    last = jnp.asarray(rng.integers(0, vocab, SLOTS), jnp.int32)
-    active = jnp.asarray([True, True, True, False])
-    sampling = SamplingArrays.of(greedy_and_sampled * 2, [5, 6, 7, 8])
-    ref_cache, ref = steps._decode(engine.graphdef, engine.params, _copy(got_cache), last, active, sampling)
-    got_cache, got = loaded.decode(engine.params, got_cache, last, active, sampling)
-    _assert_same(got, ref, "decode sampled")
-    _assert_same(got_cache, ref_cache, "decode cache")
-    assert np.asarray(got_cache.lengths).tolist() == [7, 9, 19, 0]
+    def ints(*v):
+        return jnp.asarray(v, jnp.int32)
+
+    def sampling(rows, first_seed):
+        return SamplingArrays.of((greedy_and_sampled * rows)[:rows], range(first_seed, first_seed + rows))
+
+    script = [("prefill", (tokens(ROWS, CHUNK), ints(2, 0), ints(0, 0), ints(8, 6), sampling(ROWS, 0))),
+              ("prefill", (tokens(ROWS, CHUNK), ints(1, 2), ints(0, 8), ints(8, 5), sampling(ROWS, 2)))]
+    script += [("decode", (tokens(SLOTS), jnp.asarray([True, True, True, False]), sampling(SLOTS, 4 + 4 * i)))
+               for i in range(3)]
+
+    def run(prefill, decode, cache):
+        records = [jax.device_get(cache)]
+        for kind, args in script:
+            cache, sampled = (prefill if kind == "prefill" else decode)(cache, *args)
+            records.append(jax.device_get((cache, sampled)))
+        return records
+
+    ref = run(functools.partial(steps._prefill_chunk, engine.graphdef, engine.params),
+              functools.partial(steps._decode, engine.graphdef, engine.params), engine.new_cache())
+    got = run(functools.partial(loaded.prefill, engine.params), functools.partial(loaded.decode, engine.params),
+              loaded.new_cache())
+    for i, (r, g) in enumerate(zip(ref, got)):
+        _assert_same(g, r, f"after step {i}: {script[i - 1][0] if i else 'new cache'}")
+    assert isinstance(got[-1][1], Sampled)
+    assert np.isfinite(got[-1][1].logprob).all()
+    assert [np.asarray(c.lengths).tolist() for c, _ in got[1:]] == [
+        [6, 0, 8, 0], [6, 8, 13, 0], [7, 9, 14, 0], [8, 10, 15, 0], [9, 11, 16, 0]]
 
     # The raw Exported takes leaves, arrays and a dict: what the manifest's inputs list, in order.
-    flat_in = [*loaded.flat_params(engine.params), *loaded.flat_cache(ref_cache), last, active,
-               *[v for _, v in sorted(vars(sampling).items())]]
+    last, active, last_sampling = script[-1][1]
+    flat_in = [*loaded.flat_params(engine.params), *loaded.flat_cache(got[-1][0]), last, active,
+               *[v for _, v in sorted(vars(last_sampling).items())]]
     spec = manifest["steps"]["decode"]["inputs"]
     assert [(list(x.shape), str(x.dtype)) for x in flat_in] == [(e["shape"], e["dtype"]) for e in spec]
     assert [e["name"] for e in spec[-4:]] == [f"sampling['{k}']" for k in ("seed", "temperature", "top_k", "top_p")]
 
 
-def test_the_loader_names_a_leaf_that_does_not_match(tiny, cpu_export):
+def test_the_loader_names_what_does_not_match(tiny, cpu_export):
     loaded = load_steps(cpu_export[0])
-    bf16 = nnx.split(nnx.eval_shape(lambda: DeepseekV4(tiny, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)))[1]
-    with pytest.raises(ValueError, match=r"params\['embed_tokens'\]\['weight'\].*takes float32\[512, 64\], got "
-                                         r"bfloat16\[512, 64\]"):
-        loaded.flat_params(bf16)
-    f32 = nnx.split(nnx.eval_shape(lambda: DeepseekV4(tiny, rngs=nnx.Rngs(0), dtype=jnp.float32)))[1]
-    with pytest.raises(ValueError, match="last_tokens must be int32"):
-        loaded.decode(f32, loaded.new_cache(), jnp.zeros(SLOTS, jnp.float32), jnp.ones(SLOTS, bool),
+
+    def params(cfg, dtype):
+        return nnx.split(nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=dtype)))[1]
+
+    with pytest.raises(ValueError, match=r"params: 122 arrays given, the export takes 164 \(is it a model of the "
+                                         "exported config, weight storage and dtype"):
+        loaded.flat_params(params(tiny, jnp.float32))  # float weights: no scales
+    with pytest.raises(ValueError, match=r"params\['embed_tokens'\]\['weight'\]\.value: the export takes "
+                                         r"float32\[512, 64\], got bfloat16\[512, 64\]"):
+        loaded.flat_params(params(tiny.replace(quantization=V4_QUANT), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"decode: last_tokens must be int32\[4\], got float32\[4\]"):
+        loaded.decode(params(tiny.replace(quantization=V4_QUANT), jnp.float32), loaded.new_cache(),
+                      jnp.zeros(SLOTS, jnp.float32), jnp.ones(SLOTS, bool),
                       SamplingArrays.of([SamplingParams()] * SLOTS, range(SLOTS)))
+    with pytest.raises(ValueError, match="holds no manifest.json: not a `dsjax export` folder"):
+        load_steps(cpu_export[0].parent)
 
 
-@pytest.mark.parametrize("platform,more", [("cuda", []), ("tpu", ["--mesh", "ep=8", "--slots", "8"])])
-def test_accelerator_artifacts_are_written_here(platform, more, tmp_path, capsys):
-    """A one-device cuda export, and a tpu export for an 8-device expert-parallel mesh (which needs no devices
-    either: it is lowered on an abstract mesh)."""
+@pytest.mark.parametrize("platform,preset,more", [("cuda", "tiny-kernels", []), ("tpu", "tiny-kernels", []),
+                                                  ("tpu", "tiny", ["--mesh", "ep=8", "--slots", "8"])])
+def test_accelerator_artifacts_are_written_here(platform, preset, more, tmp_path, capsys):
+    """One-device cuda and tpu exports of the preset whose shapes the decode kernels tile, and a tpu export
+    for an 8-device expert-parallel mesh (which needs no devices either: it is lowered on an abstract mesh)."""
     out = tmp_path / platform
-    assert main(["export", "--preset", "tiny", "--platform", platform, "--out", str(out), *SIZES, *more]) == 0
+    assert main(["export", "--preset", preset, "--platform", platform, "--out", str(out), *SIZES, *more]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith(f"{out}: tiny for {platform} (")
+    assert printed.startswith(f"{out}: {preset} for {platform} (")
     m = json.loads((out / MANIFEST).read_text())
     slots, devices = (8, 8) if more else (4, 1)
     assert (m["platform"], m["slots"], m["max_len"], m["chunk_size"], m["prefill_rows"]) == (
@@ -145,6 +168,14 @@ def test_accelerator_artifacts_are_written_here(platform, more, tmp_path, capsys
         assert "ragged_all_to_all" in loaded.exported["decode"].mlir_module()
     else:
         assert m["mesh"] is None and all("sharding" not in e for e in m["params"] + m["cache"])
+    decode = loaded.exported["decode"].mlir_module()
+    if platform == "cuda":  # the decode's Pallas kernels, lowered by Triton for the default H200
+        assert m["device_kind"] == "NVIDIA H200"
+        assert "__gpu$xla.gpu.triton" in decode
+    kernels = ("dsjax_sparse_decode", "dsjax_index_scores") if platform == "cuda" else (
+        "sparse_decode_tpu", "index_scores_tpu")
+    for name in kernels:  # one-device exports run the decode through both kernels; mesh exports not yet
+        assert (name in decode) == (not more), name
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -21,6 +21,10 @@ from dsjax.quant import E2M1_VALUES, pack_kv, ue8m0_to_float
 from tests.helpers import assert_close
 
 INTERPRET = pltpu.InterpretParams()
+# Jitted: op-by-op they compile every primitive for every shape, which costs more than the kernels.
+pack = jax.jit(pack_kv, static_argnums=(1, 2, 3))
+attention_reference = jax.jit(sparse_decode_reference, static_argnames=("scale", "out_dtype"))
+index_reference = jax.jit(index_scores_reference, static_argnames=("scale",))
 
 
 def rtol_for(q):
@@ -37,12 +41,14 @@ def attention_inputs(seed, kv_dtype, mode, *, b=2, h=16, d=128, rd=64, w=32, t=6
     """Slot 0 sees no window key; the last slot has no valid pick (CSA) or no entry (HCA). Picks are
     distinct with -1 holes; sinks of both signs; keys RMS-scale rows, as the model's are."""
     rng = np.random.default_rng(seed)
-    store = lambda x: x if kv_dtype == "bfloat16" else pack_kv(x, kv_dtype, rd)  # noqa: E731
     q = jnp.asarray(rng.normal(size=(b, h, d)) * 2, dtype)
-    window = store(jnp.asarray(rng.normal(size=(b, w, d)), jnp.bfloat16))
+    rows = jnp.asarray(rng.normal(size=(b, w + t, d)), jnp.bfloat16)  # window rows, then entries
+    if kv_dtype != "bfloat16":
+        rows = pack(rows, kv_dtype, rd, 64)
+    window, entries = jax.tree.map(lambda a: a[:, :w], rows), jax.tree.map(lambda a: a[:, w:], rows)
     window_len = rng.integers(1, w + 1, size=b)
     window_len[0] = 0
-    entries, kw = store(jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16)), {}
+    kw = {}
     if mode == "picks":
         idx = np.stack([rng.permutation(t)[:k] for _ in range(b)])
         idx[rng.random((b, k)) < 0.3] = -1
@@ -60,7 +66,7 @@ def attention_inputs(seed, kv_dtype, mode, *, b=2, h=16, d=128, rd=64, w=32, t=6
 
 ATTENTION_CASES = [
     # (storage, entries, shape, tiling)
-    ("bfloat16", "picks", {}, {"block_k": 16}),  # two window blocks, two gather blocks (double buffer)
+    ("bfloat16", "picks", {"k": 48}, {"block_k": 16}),  # two window blocks, three gather blocks (double buffer)
     ("fp8", "picks", {"k": 24}, {}),  # picks padded to a block
     ("fp4", "picks", {"dtype": jnp.float32}, {}),
     ("fp4", "prefix", {"w": 16}, {"block_k": 32}),  # two contiguous entry blocks
@@ -76,7 +82,7 @@ def test_sparse_decode_matches_reference(seed, case):
     kv_dtype, mode, shape, tiling = case
     args, kw = attention_inputs(seed, kv_dtype, mode, **shape)
     # Compared before the output's final rounding: one-ulp bf16 flips alone are 3.9e-3 relative.
-    want = sparse_decode_reference(*args, **kw, out_dtype=jnp.float32)
+    want = attention_reference(*args, **kw, out_dtype=jnp.float32)
     got = sparse_decode_tpu(*args, **kw, out_dtype=jnp.float32, **tiling, interpret=INTERPRET)
     assert got.dtype == jnp.float32 and got.shape == want.shape
     assert_close(np.asarray(got), np.asarray(want), rtol=rtol_for(args[0]), what=f"{kv_dtype} {mode}")
@@ -110,7 +116,7 @@ def index_inputs(seed, keys, *, b=2, h=16, c=128, t=64, dtype=jnp.bfloat16, grou
     q = jnp.asarray(rng.normal(size=(b, h, c)), dtype)
     weights = jnp.asarray(rng.normal(size=(b, h)), jnp.float32)
     k = rng.normal(size=(b, t, c))
-    k = pack_kv(jnp.asarray(k, jnp.float32), "fp8", rd, group) if keys == "fp8" else jnp.asarray(k, keys)
+    k = pack(jnp.asarray(k, jnp.float32), "fp8", rd, group) if keys == "fp8" else jnp.asarray(k, keys)
     keys_len = rng.integers(1, t + 1, size=b)
     keys_len[0] = 0
     return q, weights, k, jnp.asarray(keys_len, jnp.int32), c ** -0.5
@@ -130,7 +136,7 @@ INDEX_CASES = [
 def test_index_scores_match_reference(seed, case):
     keys, shape, tiling = case
     args = index_inputs(seed, keys, **shape)
-    want = np.asarray(index_scores_reference(*args))
+    want = np.asarray(index_reference(*args))
     got = np.asarray(index_scores_tpu(*args, **tiling, interpret=INTERPRET))
     assert got.dtype == np.float32 and got.shape == want.shape
     visible = np.isfinite(want)

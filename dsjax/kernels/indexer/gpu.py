@@ -2,7 +2,7 @@
 CPU).
 
 Grid (slot, key span): a program holds the slot's index queries `[nI, c]` and head weights and walks
-`tiles` blocks of `block_t` consecutive keys: one `[nI, c] × [c, block_t]` product per block (per
+`tiles` blocks of `block_t` consecutive keys: one `[block_t, c] × [c, nI]` product per block (per
 scale group for fp8 keys: the codes, exact in bf16, are multiplied first and the group's row scale
 applied to the fp32 sums), ReLU, the weighted sum over heads, and a row of scores. Spans past the
 slot's key count write −inf without reading keys.
@@ -35,16 +35,17 @@ def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_t, tiles, pieces, n_rows)
     def live(j, carry):
         rows = span0 + j * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
         rows_k = jnp.minimum(rows, n_rows - 1)
-        dots_ht = jnp.zeros((w_h.shape[0], block_t), jnp.float32)
+        # Keys along rows: the head sum reduces within a row of the product's layout.
+        dots_th = jnp.zeros((block_t, w_h.shape[0]), jnp.float32)
         for p in pieces:
             tile = load_piece(key_refs, p, rows_k, dtype, scaled=False)
             if isinstance(tile, tuple):
                 codes, row_scale = tile
-                part = jnp.dot(q_pieces[p.col], codes.T, preferred_element_type=jnp.float32, precision=exact)
-                dots_ht += part * row_scale.reshape(1, block_t)
+                dots_th += jnp.dot(codes, q_pieces[p.col].T, preferred_element_type=jnp.float32,
+                                   precision=exact) * row_scale
             else:
-                dots_ht += jnp.dot(q_pieces[p.col], tile.T, preferred_element_type=jnp.float32, precision=exact)
-        score_t = jnp.sum(jnp.maximum(dots_ht, 0.0) * w_h[:, None], axis=0) * scale
+                dots_th += jnp.dot(tile, q_pieces[p.col].T, preferred_element_type=jnp.float32, precision=exact)
+        score_t = jnp.sum(jnp.maximum(dots_th, 0.0) * w_h[None, :], axis=1) * scale
         o_ref[pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.where(rows < keys_len, score_t, -jnp.inf)
         return carry
 
@@ -58,9 +59,10 @@ def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_t, tiles, pieces, n_rows)
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_t", "tiles", "num_warps", "num_stages", "interpret"))
 def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,
-                     block_t: int = 64, tiles: int = 8, num_warps: int = 4, num_stages: int = 2,
+                     block_t: int = 64, tiles: int = 4, num_warps: int = 4, num_stages: int = 2,
                      interpret: bool = False) -> jax.Array:
-    """`reference.index_scores_reference` as a Pallas kernel (same arguments and result)."""
+    """`reference.index_scores_reference` as a Pallas kernel (same arguments and result). The default
+    tiling was the fastest of a sweep on an H200 at batch 64 and 128K context (`docs/benchmarks.md`)."""
     b, h, c = q_bhc.shape
     if isinstance(keys, PackedKV) and keys.fmt != "fp8":
         raise ValueError(f"index_scores_gpu: index keys are stored as fp8 or float, got {keys.fmt}")

@@ -10,19 +10,13 @@ import jax
 from dsjax.kernels.dispatch import dispatch
 from dsjax.kernels.indexer.gpu import index_scores_gpu
 from dsjax.kernels.indexer.reference import index_scores_reference
-from dsjax.kernels.rows import row_pieces
-from dsjax.quant import PackedKV
+from dsjax.kernels.indexer.tpu import index_scores_tpu
 
 
 def index_scores(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,
                  kernels: str = "auto") -> jax.Array:
     """`reference.index_scores_reference`'s result, by the kernel `kernels` selects for the platform."""
     args = (q_bhc, weights_bh, keys, keys_len_b, scale)
-    h, c = q_bhc.shape[1:]
-    fits = h % 16 == 0 and not (isinstance(keys, PackedKV) and keys.fmt != "fp8")
-    try:
-        row_pieces(keys, c, "index key")
-    except ValueError:
-        fits = False
-    gpu = (lambda interpret: index_scores_gpu(*args, interpret=interpret)) if fits else None
-    return dispatch(functools.partial(index_scores_reference, *args), kernels=kernels, gpu=gpu)
+    return dispatch(functools.partial(index_scores_reference, *args), kernels=kernels,
+                    gpu=lambda interpret: index_scores_gpu(*args, interpret=interpret),
+                    tpu=lambda: index_scores_tpu(*args))

@@ -10,10 +10,11 @@ for small batches, and their partial sums are merged outside.
 Rows arrive as column pieces (`kernels/rows.py`) whose widths Triton can tile; scores sum the
 pieces' dot products and each piece has its own output accumulator.
 
-Numerics follow `reference.py`: scores, softmax and sums in fp32. For bf16 activations P·V runs on fp16 tensor cores: probabilities
-(in [0, 1]) keep 11 significant bits instead of bf16's 8, and every bf16 key value of magnitude in
-[2^-14, 65504] is exact in fp16 (smaller ones lose bits below 2^-24; V4's keys are RMS-normalised
-rows of order 1). fp32 activations run in IEEE fp32 throughout.
+Numerics follow `reference.py`: scores, softmax and sums in fp32. For bf16 activations P·V runs on
+fp16 tensor cores: probabilities (in [0, 1]) keep 11 significant bits instead of bf16's 8, and every
+bf16 key value of magnitude in [2^-14, 65504] is exact in fp16 (smaller ones lose bits below 2^-24;
+larger ones overflow: V4's keys are RMS-normalised rows of order 1). fp32 activations run in IEEE
+fp32 throughout. Measured against the reference: relative error about 1e-4 in bf16 (tests).
 """
 
 from __future__ import annotations

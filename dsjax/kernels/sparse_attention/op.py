@@ -8,22 +8,20 @@ import functools
 import jax
 
 from dsjax.kernels.dispatch import dispatch
-from dsjax.kernels.rows import row_pieces
 from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+from dsjax.kernels.sparse_attention.tpu import sparse_decode_tpu
 
 # Hopper (H100/H200) multiprocessors; used only to decide when to split keys between programs.
 _GPU_CORES = 132
 
 
-def gpu_tiling(b: int, h: int, n_keys: int) -> dict | None:
-    """The GPU kernel's tiling for B slots, H heads and about `n_keys` keys per slot (tuned on an H200 at
-    batch 64 and 128K context: `docs/benchmarks.md`), or None where it cannot tile the heads. Small
-    batches split the keys so that the grid still covers the chip."""
+def gpu_tiling(b: int, h: int, n_keys: int) -> dict:
+    """The GPU kernel's tiling for B slots, H heads and about `n_keys` keys per slot: the fastest of a
+    sweep on an H200 at batch 64 and 128K context (`docs/benchmarks.md`); small batches split the keys
+    between programs so that the grid still covers the chip."""
     block_h = 32 if h % 32 == 0 else 16
-    if h % block_h:
-        return None
-    programs = b * (h // block_h)
+    programs = b * max(h // block_h, 1)
     splits = max(1, min(-(-n_keys // 64) // 2, _GPU_CORES // programs))
     return dict(block_h=block_h, block_k=64, num_warps=8, num_stages=3, num_splits=splits)
 
@@ -34,16 +32,11 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
     """`reference.sparse_decode_reference`'s result, by the kernel `kernels` selects for the platform."""
     args = (q_bhd, window, window_len_b, entries, sinks_h, scale)
     kw = dict(entries_len_b=entries_len_b, idx_bk=idx_bk)
-    b, h, d = q_bhd.shape
+    b, h, _ = q_bhd.shape
     n_keys = jax.tree.leaves(window)[0].shape[1]
     if entries is not None:
         n_keys += idx_bk.shape[1] if idx_bk is not None else jax.tree.leaves(entries)[0].shape[1]
     tiling = gpu_tiling(b, h, n_keys)
-    try:
-        row_pieces(window, d, "window")
-        if entries is not None:
-            row_pieces(entries, d, "entry")
-    except ValueError:
-        tiling = None
-    gpu = None if tiling is None else (lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret))
-    return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels, gpu=gpu)
+    return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels,
+                    gpu=lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret),
+                    tpu=lambda: sparse_decode_tpu(*args, **kw))

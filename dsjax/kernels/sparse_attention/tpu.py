@@ -29,6 +29,14 @@ MXU; fp32 operands use `Precision.HIGHEST`), scaled in fp32, softmax in fp32. P�
 the fp32 probabilities are split into bf16 hi + lo parts (16 significant bits, relative error
 ≤ 2^-17) and the two bf16 dots are summed in fp32; fp32 queries use one fp32 dot at
 `Precision.HIGHEST`.
+
+Not yet run on TPU hardware (checked under the interpreter and by lowering with `jax.export`). The
+step most likely to need work there is the CSA gather: each DMA starts at an arbitrary row, and in
+TPU's tiled layouts a row of a packed dtype (bf16 packs 2 rows per 32-bit word, 8-bit codes and
+scales 4) is a sub-word slice, which Mosaic may refuse (32-bit rows are what jax's own tests cover).
+Gathering the 32-bit word row that holds the pick (`ref.bitcast(jnp.int32)`, 2-4x the bytes) and
+shifting it out would avoid that, but this jax's TPU interpreter cannot run DMAs of bitcast refs.
+The flat picks `[B·K]` must also fit in SMEM.
 """
 
 from __future__ import annotations
@@ -367,7 +375,8 @@ def sparse_decode_tpu(q_bhd: jax.Array, window, window_len_b: jax.Array, entries
     `block_k`: key rows per block (window, HCA entries) and picks per gather block (CSA); a window or
     entry array longer than `block_k` must be a multiple of it, and `block_k` then a multiple of its
     storage's sublane tile (8 rows for 32-bit, 16 for bf16, 32 for 8-bit). `block_h`: query heads per
-    program (default all: one read of the cache per slot), a multiple of 8 dividing H.
+    program (default all: one read of the cache per slot), a multiple of 8 dividing H. Picks must be
+    −1 or a row below T (a larger one reads row T−1).
     `interpret`: False on a TPU, or `pltpu.InterpretParams()` to run on CPU.
     """
     b, h, d = q_bhd.shape
