@@ -9,6 +9,15 @@ from dsjax.config import ModelConfig
 from dsjax.parallel import distributed
 
 
+
+def _model_source(parser: argparse.ArgumentParser) -> None:
+    """`--preset NAME` or `--model FOLDER`, exactly one."""
+    from dsjax.presets import PRESETS
+
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help=", ".join(sorted(PRESETS)))
+    src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
+
 def _info(args: argparse.Namespace) -> int:
     from dsjax.cache import cache_bytes_per_token
     from dsjax.info import COMPONENTS, model_info
@@ -191,9 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsjax", description="DeepSeek-V4 offline inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="parameter counts and memory of a model, without loading it")
-    src = info.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", help="tiny, v4-flash or v4.1-flash")
-    src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
+    _model_source(info)
     info.add_argument("--context", type=int, help="context length for the cache report "
                       "(default: max_position_embeddings)")
     info.set_defaults(func=_info)
@@ -226,9 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a mesh (host CPU devices stand in for missing ones) and print per-device bytes of "
                         "weights, cache and temporaries from XLA's memory analysis against --device-mem, and the "
                         "most slots of --max-len tokens that fit. See docs/parallelism.md.")
-    src = pl.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", help="tiny, v4-flash or v4.1-flash")
-    src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
+    _model_source(pl)
     pl.add_argument("--mesh", required=True, help="e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp)")
     pl.add_argument("--max-len", type=int, required=True, help="tokens per sequence (cache length)")
     pl.add_argument("--slots", type=int, required=True,
@@ -252,9 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "write DIR/decode.stablehlo, DIR/prefill.stablehlo (jax.export serializations) and "
                         "DIR/manifest.json (config, sizes, dtypes, versions, the parameter and cache leaves and "
                         "each step's inputs and outputs). Load them with dsjax.export.load_steps(DIR).")
-    src = ex.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", help="tiny, v4-flash or v4.1-flash")
-    src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
+    _model_source(ex)
     ex.add_argument("--platform", required=True, metavar="{cpu,cuda,rocm,tpu}",
                     help="the platform the programs are for (one per export: the Pallas kernels differ)")
     ex.add_argument("--out", required=True, metavar="DIR",

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.cache import LayerCache, as_rows, read_rows
+from dsjax.cache import LayerCache, as_rows
 from dsjax.config import CSA, HCA, SLIDING, ModelConfig
-from dsjax.kernels.sparse_attention.op import sparse_decode
+from dsjax.kernels.sparse_attention.op import sparse_decode, sparse_prefill
 from dsjax.layers.compressor import CSACompressor, HCACompressor
 from dsjax.layers.linear import GroupedLinear, Linear
 from dsjax.layers.norms import RMSNorm, unweighted_rms_norm
@@ -101,57 +101,54 @@ class Attention(nnx.Module):
 
     def extend(self, x_bch: jax.Array, start_b: jax.Array, n_valid_b: jax.Array, cache: LayerCache):
         """Cached attention for C new tokens per row at positions start…start+C−1 (the first n_valid
-        real): keys are the window ring, the chunk itself and the cached compressed entries."""
+        real) through the sparse attention operations (`kernels.sparse_attention`): keys are the window
+        ring, the chunk itself and the compressed entries, all as the cache stores them (the chunk's
+        own rows pass through the cache's storage first). Rows with n_valid = 0 leave the cache unchanged."""
         cfg = self.cfg
         w = cfg.sliding_window
         c_len = x_bch.shape[1]
-        if c_len == 1:
-            return self.decode(x_bch, start_b, n_valid_b, cache)
         positions_bc = start_b[:, None] + jnp.arange(c_len)[None, :]
         cos_h, sin_h, q_res_bcr, q_bchd, kv_bcd = self._project_in(x_bch, positions_bc)
-
-        ring_pos_bw = _ring_positions(start_b - 1, w)
-        keys_bkd = jnp.concatenate([read_rows(cache.window, kv_bcd.dtype), kv_bcd], axis=1)
-        key_pos_bk = jnp.concatenate([ring_pos_bw, positions_bc], axis=1)
-        key_real_bk = jnp.concatenate([ring_pos_bw >= 0, jnp.arange(c_len)[None, :] < n_valid_b[:, None]], 1)
-        visible_bck = window_visible(positions_bc, key_pos_bk, w) & key_real_bk[:, None, :]
-        states = {}
+        entries, selection, states = None, {}, {}
         if self.compressor is not None:
-            entries_btd, entry_visible_bct, states = self.compressor.extend(
-                x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache)
-            keys_bkd = jnp.concatenate([keys_bkd, entries_btd.astype(kv_bcd.dtype)], axis=1)
-            visible_bck = jnp.concatenate([visible_bck, entry_visible_bct], axis=-1)
+            entries, selection, states = self.compressor.sparse(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b,
+                                                                cache)
+        scale = cfg.head_dim ** -0.5
+        if c_len == 1:
+            rows = jnp.arange(x_bch.shape[0])
+            target_b = jnp.where(n_valid_b > 0, jnp.mod(start_b, w), w)  # out of range: dropped
+            ring = jax.tree.map(lambda r, new: r.at[rows, target_b].set(new[:, 0], mode="drop"), cache.window,
+                                as_rows(kv_bcd, cache.window))
+            # The ring holds positions ≡ slot (mod W); after this write, slots 0 … min(start + 1, W) − 1 are
+            # exactly the window q − W < k ≤ q of the query at q = start.
+            one = {f"{k}_b" if k == "entries_len" else "idx_bk": v[:, 0] for k, v in selection.items()}
+            o_bhd = sparse_decode(q_bchd[:, 0], ring, jnp.minimum(start_b + 1, w), entries, self.sinks[...], scale,
+                                  **one, kernels=cfg.kernels)
+            return self.project_out(o_bhd[:, None], cos_h, sin_h), LayerCache(ring, **states)
 
-        o_bchd = attend_with_sinks(q_bchd, keys_bkd, visible_bck, self.sinks[...], cfg.head_dim ** -0.5)
+        # Window rows in position order: the ring's W rows (positions start−W … start−1) then the chunk's.
+        # Query c (position start + c) sees rows c+1 … c+W, of which ring rows need a position ≥ 0 and
+        # chunk rows must be real.
+        ring_slots_bw = jnp.mod(start_b[:, None] - w + jnp.arange(w)[None, :], w)
+        chunk_rows = as_rows(kv_bcd, cache.window)
+        window = jax.tree.map(lambda r, new: jnp.concatenate([jnp.take_along_axis(
+            r, ring_slots_bw.reshape(ring_slots_bw.shape + (1,) * (r.ndim - 2)), axis=1), new], axis=1),
+            cache.window, chunk_rows)
+        c = jnp.arange(c_len)[None, :]
+        window_start_bc = jnp.maximum(c + 1, w - start_b[:, None])
+        window_end_bc = jnp.minimum(c + w + 1, w + n_valid_b[:, None])
+        picks = {f"{k}_bc" if k == "entries_len" else "idx_bck": v for k, v in selection.items()}
+        o_bchd = sparse_prefill(q_bchd, window, window_start_bc, window_end_bc, entries, self.sinks[...], scale,
+                                **picks, kernels=cfg.kernels)
         # The ring keeps, for each slot i, the newest real position ≡ i (mod W).
         new_pos_bw = _ring_positions(start_b + n_valid_b - 1, w)
         from_chunk = new_pos_bw >= start_b[:, None]
         idx = jnp.clip(new_pos_bw - start_b[:, None], 0, c_len - 1)
-        new_rows = as_rows(jnp.take_along_axis(kv_bcd, idx[..., None], axis=1), cache.window)
-        ring = jax.tree.map(lambda new, old: jnp.where(from_chunk[..., None], new, old), new_rows, cache.window)
+        new_rows = jax.tree.map(lambda x: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), 1),
+                                chunk_rows)
+        ring = jax.tree.map(lambda new, old: jnp.where(from_chunk.reshape(from_chunk.shape + (1,) * (old.ndim - 2)),
+                                                       new, old), new_rows, cache.window)
         return self.project_out(o_bchd, cos_h, sin_h), LayerCache(ring, **states)
-
-    def decode(self, x_b1h: jax.Array, start_b: jax.Array, n_valid_b: jax.Array, cache: LayerCache):
-        """One token per slot (`extend` with C = 1) through `kernels.sparse_attention.sparse_decode`: the new
-        K=V goes into the window ring first, then the query attends to the ring's rows and the compressed
-        entries as the cache stores them (dequantized inside the kernel), so every key comes from the
-        cache. Rows with n_valid = 0 leave the cache unchanged."""
-        cfg = self.cfg
-        w = cfg.sliding_window
-        cos_h, sin_h, q_res_b1r, q_b1hd, kv_b1d = self._project_in(x_b1h, start_b[:, None])
-        rows = jnp.arange(x_b1h.shape[0])
-        target_b = jnp.where(n_valid_b > 0, jnp.mod(start_b, w), w)  # out of range: dropped
-        ring = jax.tree.map(lambda r, new: r.at[rows, target_b].set(new[:, 0], mode="drop"), cache.window,
-                            as_rows(kv_b1d, cache.window))
-        # The ring holds positions ≡ slot (mod W); after this write, slots 0 … min(L, W)−1 are exactly the
-        # window q − W < k ≤ q of the query at q = start (L = start + 1).
-        window_len_b = jnp.minimum(start_b + 1, w)
-        entries, selection, states = None, {}, {}
-        if self.compressor is not None:
-            entries, selection, states = self.compressor.decode(x_b1h, q_res_b1r, start_b, n_valid_b, cache)
-        o_bhd = sparse_decode(q_b1hd[:, 0], ring, window_len_b, entries, self.sinks[...], cfg.head_dim ** -0.5,
-                              **selection, kernels=cfg.kernels)
-        return self.project_out(o_bhd[:, None], cos_h, sin_h), LayerCache(ring, **states)
 
     def project_out(self, o_bshd, cos_h, sin_h) -> jax.Array:
         """De-rotate the rope slice at the query position, then the grouped low-rank output projection."""

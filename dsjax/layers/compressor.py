@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.cache import CompressorState, as_rows, read_rows
+from dsjax.cache import CompressorState, as_rows
 from dsjax.config import ModelConfig
 from dsjax.layers.linear import Linear
 from dsjax.layers.norms import RMSNorm
@@ -85,12 +85,11 @@ class Compressor(nnx.Module):
         cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bk, pooled_bkc.dtype)
         return apply_rope(pooled_bkc, cos, sin)
 
-    def append(self, x_bch: jax.Array, state: CompressorState, start_b: jax.Array, n_valid_b: jax.Array,
-               read: bool = True):
+    def append(self, x_bch: jax.Array, state: CompressorState, start_b: jax.Array, n_valid_b: jax.Array):
         """Append C chunk tokens (the first `n_valid` of each row are real) after `start` cached ones.
 
-        Returns all entries `[B, max_len // m, width]` (those of windows completed here written in, read
-        back from the cache's storage, or with `read=False` the storage itself) and the new state.
+        Returns all entries `[B, max_len // m, width]` in the cache's storage (those of windows completed
+        here written in) and the new state.
         Positions past a row's real tokens never change it.
         """
         b, c_len, _ = x_bch.shape
@@ -137,7 +136,7 @@ class Compressor(nnx.Module):
             c = self.width
             new.overlap_kv = jnp.where(moved, _window(kv_bkmn, last_k)[..., :c], state.overlap_kv)
             new.overlap_gate = jnp.where(moved, _window(gate_bkmn, last_k)[..., :c], state.overlap_gate)
-        return (read_rows(stored, pooled.dtype) if read else stored), new
+        return stored, new
 
 
 def _window(a_bkmx: jax.Array, k_b: jax.Array) -> jax.Array:
@@ -156,16 +155,11 @@ class HCACompressor(Compressor):
         entries = self.compress(x_bsh)
         return entries, entry_visible(positions_bs, entries.shape[1], self.rate)
 
-    def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache):
-        """Cached form: (all entries, their visibility `[B,C,T]`, new LayerCache fields)."""
+    def sparse(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache):
+        """Cached form for the sparse attention operations: (entries in the cache's storage, each query's
+        selection — every complete window so far: `entries_len [B, C]` —, new LayerCache fields)."""
         entries, state = self.append(x_bch, cache.compressor, start_b, n_valid_b)
-        return entries, entry_visible(positions_bc, entries.shape[1], self.rate), {"compressor": state}
-
-    def decode(self, x_b1h, q_res_b1r, start_b, n_valid_b, cache):
-        """One token per slot: (entries in the cache's storage, the sparse attention's selection of them —
-        every complete window so far —, new LayerCache fields)."""
-        entries, state = self.append(x_b1h, cache.compressor, start_b, n_valid_b, read=False)
-        return entries, {"entries_len_b": (start_b + 1) // self.rate}, {"compressor": state}
+        return entries, {"entries_len": (positions_bc + 1) // self.rate}, {"compressor": state}
 
 
 class CSACompressor(Compressor):
@@ -182,14 +176,9 @@ class CSACompressor(Compressor):
         entries = self.compress(x_bsh)
         return entries, self.indexer(x_bsh, q_res_bsr, positions_bs)
 
-    def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache):
+    def sparse(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache):
+        """Cached form for the sparse attention operations: (entries in the cache's storage, the indexer's
+        picks `idx [B, C, K]`, new LayerCache fields)."""
         entries, state = self.append(x_bch, cache.compressor, start_b, n_valid_b)
-        picked, index_state = self.indexer.extend(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b,
-                                                  cache.indexer)
-        return entries, picked, {"compressor": state, "indexer": index_state}
-
-    def decode(self, x_b1h, q_res_b1r, start_b, n_valid_b, cache):
-        """One token per slot: (entries in the cache's storage, the indexer's picks `idx_bk`, new fields)."""
-        entries, state = self.append(x_b1h, cache.compressor, start_b, n_valid_b, read=False)
-        idx_bk, index_state = self.indexer.decode(x_b1h, q_res_b1r, start_b, n_valid_b, cache.indexer)
-        return entries, {"idx_bk": idx_bk}, {"compressor": state, "indexer": index_state}
+        idx, index_state = self.indexer.picks(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache.indexer)
+        return entries, {"idx": idx}, {"compressor": state, "indexer": index_state}

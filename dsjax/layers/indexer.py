@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsjax.cache import read_rows
 from dsjax.config import ModelConfig
 from dsjax.kernels.indexer.op import index_scores
 from dsjax.layers.compressor import Compressor, entry_visible
@@ -55,27 +56,25 @@ class Indexer(Compressor):
         """`[B,S,T]` bool: the ≤ index_topk visible entries with the highest scores, per query."""
         return self.select(*self.scores(x_bsh, q_res_bsr, positions_bs))
 
-    def extend(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, state):
-        """Cached form: the selection over all cached keys `[B,C,max_len//m]` and the new key state."""
+    def picks(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, state):
+        """Cached form for the sparse attention operations: each query's top `min(index_topk, T)` visible
+        entries as indices `[B, C, k]` (−1 where fewer are visible, as the reference turns them), and the
+        new key state. One token per slot (decode) scores through `kernels.indexer.index_scores` over
+        the keys in their storage; a chunk scores with XLA (no prefill indexer kernel yet)."""
         keys, state = self.append(x_bch, state, start_b, n_valid_b)
-        return self.select(*self.scores(x_bch, q_res_bcr, positions_bc, keys)), state
-
-    def decode(self, x_b1h, q_res_b1r, start_b, n_valid_b, state):
-        """One token per slot at position `start`: the top `min(index_topk, T)` visible entries as indices
-        `[B, k]` (−1 where fewer are visible), from `kernels.indexer.index_scores` over the cached keys
-        in their storage, and the new key state."""
-        keys, state = self.append(x_b1h, state, start_b, n_valid_b, read=False)
-        b = x_b1h.shape[0]
-        q_b1hc = self.q_b_proj(q_res_b1r).reshape(b, 1, self.cfg.index_n_heads, self.width)
-        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, start_b[:, None], q_b1hc.dtype)
-        q_bhc = apply_rope(q_b1hc, cos[:, :, None], sin[:, :, None])[:, 0]
-        w_bh = self.scorer.weights_proj(x_b1h)[:, 0].astype(jnp.float32) * (self.cfg.index_n_heads ** -0.5)
-        score_bt = index_scores(q_bhc, w_bh, keys, (start_b + 1) // self.rate, self.width ** -0.5,
-                                kernels=self.cfg.kernels)
-        k = min(self.cfg.index_topk, score_bt.shape[1])
-        top_score_bk, top_bk = jax.lax.top_k(score_bt, k)
-        # Picks past the visible count (−inf scores) become −1, as in the reference.
-        return jnp.where(top_score_bk > -jnp.inf, top_bk, -1).astype(jnp.int32), state
+        b, c, _ = x_bch.shape
+        if c == 1:
+            q_b1hc = self.q_b_proj(q_res_bcr).reshape(b, 1, self.cfg.index_n_heads, self.width)
+            cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bc, q_b1hc.dtype)
+            q_bhc = apply_rope(q_b1hc, cos[:, :, None], sin[:, :, None])[:, 0]
+            w_bh = self.scorer.weights_proj(x_bch)[:, 0].astype(jnp.float32) * (self.cfg.index_n_heads ** -0.5)
+            score_bct = index_scores(q_bhc, w_bh, keys, (positions_bc[:, 0] + 1) // self.rate, self.width ** -0.5,
+                                     kernels=self.cfg.kernels)[:, None]
+        else:
+            score_bct, _ = self.scores(x_bch, q_res_bcr, positions_bc, read_rows(keys, x_bch.dtype))
+        k = min(self.cfg.index_topk, score_bct.shape[-1])
+        top_score, top = jax.lax.top_k(score_bct, k)
+        return jnp.where(top_score > -jnp.inf, top, -1).astype(jnp.int32), state
 
     def distillation_loss(self, x_bsh, q_res_bsr, positions_bs, q_bshd, entries_btd, scale: float) -> jax.Array:
         """The indexer's training objective (DeepSeek-V3.2's DSA): KL(target ‖ softmax(index scores)) over

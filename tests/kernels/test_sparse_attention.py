@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
-from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu, sparse_prefill_gpu
+from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from dsjax.quant import pack_kv
 from tests.helpers import assert_close
 
@@ -60,3 +60,32 @@ def test_kernel_matches_reference(seed, case):
     assert got.dtype == want.dtype == jnp.float32 and got.shape == want.shape
     assert_close(np.asarray(got), np.asarray(want), rtol=2e-3 if args[0].dtype == jnp.bfloat16 else 1e-5)
     assert sparse_decode_gpu(*args, **kw, **tiling, interpret=not ON_GPU).dtype == args[0].dtype
+
+
+@pytest.mark.parametrize("seed,kv_dtype,picks", [(10, "fp8", True), (11, "bfloat16", False), (12, "fp4", True)])
+def test_prefill_kernel_matches_reference(seed, kv_dtype, picks):
+    """C queries per slot, each with its own window range (some empty) and its own entries: a prefix
+    (HCA) or picks with -1 holes (CSA), all reading their slot's rows."""
+    b, c, h, d, wn, t, k = 2, 5, 16, 128, 40, 90, 24
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)) * 2, jnp.bfloat16)
+    window = stored(jnp.asarray(rng.normal(size=(b, wn, d)), jnp.bfloat16), kv_dtype, 64)
+    entries = stored(jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16), kv_dtype, 64)
+    start = rng.integers(0, wn, size=(b, c))
+    end = np.minimum(start + rng.integers(0, 20, size=(b, c)), wn)
+    end[0, 0] = start[0, 0]  # a query that sees no window row
+    kw = {}
+    if picks:
+        idx = rng.integers(0, t, size=(b, c, k))
+        idx[rng.random((b, c, k)) < 0.3] = -1
+        idx[1, 2] = -1
+        kw["idx_bck"] = jnp.asarray(idx, jnp.int32)
+    else:
+        n = rng.integers(0, t + 1, size=(b, c))
+        kw["entries_len_bc"] = jnp.asarray(n, jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=(h,)) * 2, jnp.float32)
+    args = (q, window, jnp.asarray(start, jnp.int32), jnp.asarray(end, jnp.int32), entries, sinks, d ** -0.5)
+    want = sparse_prefill_reference(*args, **kw, out_dtype=jnp.float32)
+    got = sparse_prefill_gpu(*args, **kw, out_dtype=jnp.float32, block_h=16, interpret=not ON_GPU)
+    assert got.shape == (b, c, h, d)
+    assert_close(np.asarray(got), np.asarray(want), rtol=2e-3)

@@ -30,9 +30,9 @@ from dsjax.kernels.rows import load_piece, row_pieces, storage
 from dsjax.layers.numerics import precision
 
 def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, entry_pieces, mode, num_splits,
-            n_entry_rows, n_picks):
-    q_ref, sinks_ref, window_len_ref, entries_len_ref = refs[:4]
-    refs = refs[4:]
+            n_window_rows, n_entry_rows, n_picks):
+    q_ref, sinks_ref, window_start_ref, window_end_ref, entries_len_ref = refs[:5]
+    refs = refs[5:]
     window_refs, refs = refs[:n_window_refs], refs[n_window_refs:]
     entry_refs, refs = refs[:n_entry_refs], refs[n_entry_refs:]
     if mode == "picks":
@@ -66,8 +66,9 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
         rows = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         return rows, rows < limit
 
-    window_len = window_len_ref[...]
-    n_window_blocks = pl.cdiv(window_len, block_k)
+    window_start, window_end = window_start_ref[...], window_end_ref[...]
+    first_window_block = window_start // block_k
+    n_window_blocks = jnp.maximum(pl.cdiv(window_end, block_k) - first_window_block, 0)
     if mode == "picks":
         n_entry_blocks = n_picks // block_k
     elif mode == "prefix":
@@ -79,8 +80,9 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
     lo, hi = split * total // num_splits, (split + 1) * total // num_splits
 
     def window_block(j, carry):
-        rows, valid = block_rows(j, window_len)
-        return attend(carry, window_pieces, window_refs, jnp.minimum(rows, window_len - 1), valid)
+        rows, valid = block_rows(first_window_block + j, window_end)
+        valid &= rows >= window_start
+        return attend(carry, window_pieces, window_refs, jnp.clip(rows, 0, n_window_rows - 1), valid)
 
     def entry_block(j, carry):
         if mode == "picks":
@@ -111,63 +113,91 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
         ml_ref[1, :] = l_h
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_dtype", "block_h", "block_k", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
+_TILING = ("block_h", "block_k", "num_splits", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "out_dtype", *_TILING))
 def sparse_decode_gpu(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, sinks_h: jax.Array, scale: float,
                       *, entries_len_b: jax.Array | None = None, idx_bk: jax.Array | None = None, out_dtype=None,
-                      block_h: int | None = None, block_k: int = 32, num_splits: int = 1, num_warps: int = 8,
-                      num_stages: int = 2, interpret: bool = False) -> jax.Array:
-    """`reference.sparse_decode_reference` as a Pallas kernel (same arguments and result)."""
-    b, h, d = q_bhd.shape
+                      **tiling) -> jax.Array:
+    """`reference.sparse_decode_reference` as a Pallas kernel (same arguments and result); `tiling`:
+    `block_h` (heads per program, default min(H, 64)), `block_k` (keys per block, 32), `num_splits`
+    (programs per slot and head block, 1), `num_warps` (8), `num_stages` (2), `interpret`."""
+    b = q_bhd.shape[0]
+    return _attention(q_bhd, window, jnp.zeros((b,), jnp.int32), window_len_b, entries, sinks_h, scale,
+                      entries_len_b, idx_bk, 1, out_dtype, **tiling)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "out_dtype", *_TILING))
+def sparse_prefill_gpu(q_bchd: jax.Array, window, window_start_bc: jax.Array, window_end_bc: jax.Array, entries,
+                       sinks_h: jax.Array, scale: float, *, entries_len_bc: jax.Array | None = None,
+                       idx_bck: jax.Array | None = None, out_dtype=None, **tiling) -> jax.Array:
+    """`reference.sparse_prefill_reference` as a Pallas kernel: the decode kernel's grid over every
+    (slot, query) row, each reading its slot's rows (`tiling` as `sparse_decode_gpu`'s)."""
+    b, c, h, d = q_bchd.shape
+    flat = lambda x: None if x is None else x.reshape(b * c, *x.shape[2:])  # noqa: E731
+    out = _attention(flat(q_bchd), window, flat(window_start_bc), flat(window_end_bc), entries, sinks_h, scale,
+                     flat(entries_len_bc), flat(idx_bck), c, out_dtype, **tiling)
+    return out.reshape(b, c, h, d)
+
+
+def _attention(q_nhd, window, window_start_n, window_end_n, entries, sinks_h, scale, entries_len_n, idx_nk,
+               rows_per_slot: int, out_dtype, *, block_h: int | None = None, block_k: int = 32, num_splits: int = 1,
+               num_warps: int = 8, num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """N query rows, row i reading slot i // rows_per_slot's window rows [start, end) and entries."""
+    n, h, d = q_nhd.shape
     block_h = block_h or min(h, 64)
-    mode = "none" if entries is None else ("picks" if idx_bk is not None else "prefix")
-    if entries is not None and (entries_len_b is None) == (idx_bk is None):
-        raise ValueError("sparse decode: give exactly one of entries_len_b (attend a prefix) and idx_bk (picks)")
-    for what, n, size in (("heads", h, block_h),):
-        if n % size or size < 16:
-            raise ValueError(f"sparse_decode_gpu: {what} ({n}) must be a multiple of block_h ({size} ≥ 16)")
+    mode = "none" if entries is None else ("picks" if idx_nk is not None else "prefix")
+    if entries is not None and (entries_len_n is None) == (idx_nk is None):
+        raise ValueError("sparse attention: give exactly one of the entry counts (attend a prefix) and the picks")
+    if h % block_h or block_h < 16:
+        raise ValueError(f"sparse attention GPU kernel: heads ({h}) must be a multiple of block_h ({block_h} ≥ 16)")
     window_pieces = row_pieces(window, d, "window")
     entry_pieces = () if entries is None else row_pieces(entries, d, "entry")
     if entries is not None and entry_pieces != window_pieces:
         # Accumulators are per piece of the window's layout; entries must tile the same columns.
-        raise ValueError("sparse decode kernel: window and entries must split their rows at the same columns, "
-                         f"got {window_pieces} and {entry_pieces}")
+        raise ValueError("sparse attention GPU kernel: window and entries must split their rows at the same "
+                         f"columns, got {window_pieces} and {entry_pieces}")
 
-    per_slot = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda i, j, s: (i,) + (0,) * (a.ndim - 1))  # noqa: E731
+    def per_row(a):
+        return pl.BlockSpec((None, *a.shape[1:]), lambda i, j, s: (i,) + (0,) * (a.ndim - 1))
+
+    def per_slot(a):
+        return pl.BlockSpec((None, *a.shape[1:]), lambda i, j, s: (i // rows_per_slot,) + (0,) * (a.ndim - 1))
+
     window_arrays = storage(window)
     entry_arrays = [] if entries is None else storage(entries)
-    scalars = [window_len_b.astype(jnp.int32),
-               (entries_len_b if entries_len_b is not None else jnp.zeros((b,), jnp.int32)).astype(jnp.int32)]
-    inputs = [q_bhd, sinks_h.astype(jnp.float32), *scalars, *window_arrays, *entry_arrays]
+    scalars = [x.astype(jnp.int32) for x in (window_start_n, window_end_n, jnp.zeros((n,), jnp.int32)
+                                             if entries_len_n is None else entries_len_n)]
+    inputs = [q_nhd, sinks_h.astype(jnp.float32), *scalars, *window_arrays, *entry_arrays]
     in_specs = [pl.BlockSpec((None, block_h, d), lambda i, j, s: (i, j, 0)),
-                pl.BlockSpec((block_h,), lambda i, j, s: (j,)),
-                pl.BlockSpec((None,), lambda i, j, s: (i,)), pl.BlockSpec((None,), lambda i, j, s: (i,))]
+                pl.BlockSpec((block_h,), lambda i, j, s: (j,))] + [per_row(x) for x in scalars]
     in_specs += [per_slot(a) for a in window_arrays + entry_arrays]
     n_picks = 0
     if mode == "picks":
-        n_picks = -(-idx_bk.shape[1] // block_k) * block_k
-        idx = jnp.pad(idx_bk.astype(jnp.int32), ((0, 0), (0, n_picks - idx_bk.shape[1])), constant_values=-1)
+        n_picks = -(-idx_nk.shape[1] // block_k) * block_k
+        idx = jnp.pad(idx_nk.astype(jnp.int32), ((0, 0), (0, n_picks - idx_nk.shape[1])), constant_values=-1)
         inputs.append(idx)
-        in_specs.append(per_slot(idx))
+        in_specs.append(per_row(idx))
 
-    out_dtype = out_dtype or q_bhd.dtype
+    out_dtype = out_dtype or q_nhd.dtype
     if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((b, h, d), out_dtype)
+        out_shape = jax.ShapeDtypeStruct((n, h, d), out_dtype)
         out_specs = pl.BlockSpec((None, block_h, d), lambda i, j, s: (i, j, 0))
     else:
-        out_shape = (jax.ShapeDtypeStruct((b, num_splits, h, d), jnp.float32),
-                     jax.ShapeDtypeStruct((b, num_splits, 2, h), jnp.float32))
+        out_shape = (jax.ShapeDtypeStruct((n, num_splits, h, d), jnp.float32),
+                     jax.ShapeDtypeStruct((n, num_splits, 2, h), jnp.float32))
         out_specs = (pl.BlockSpec((None, None, block_h, d), lambda i, j, s: (i, s, j, 0)),
                      pl.BlockSpec((None, None, 2, block_h), lambda i, j, s: (i, s, 0, j)))
-    n_entry_rows = 0 if entries is None else jax.tree.leaves(entries)[0].shape[1]
     kernel = functools.partial(
         _kernel, scale=scale, block_k=block_k, n_window_refs=len(window_arrays), n_entry_refs=len(entry_arrays),
         window_pieces=window_pieces, entry_pieces=entry_pieces, mode=mode, num_splits=num_splits,
-        n_entry_rows=n_entry_rows, n_picks=n_picks)
+        n_window_rows=window_arrays[0].shape[1], n_entry_rows=entry_arrays[0].shape[1] if entry_arrays else 0,
+        n_picks=n_picks)
     out = pl.pallas_call(
-        kernel, grid=(b, h // block_h, num_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        kernel, grid=(n, h // block_h, num_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="dsjax_sparse_decode",
+        interpret=interpret, name="dsjax_sparse_decode" if rows_per_slot == 1 else "dsjax_sparse_prefill",
     )(*inputs)
     if num_splits == 1:
         return out

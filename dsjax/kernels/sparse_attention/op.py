@@ -8,8 +8,8 @@ import functools
 import jax
 
 from dsjax.kernels.dispatch import dispatch
-from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
-from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu, sparse_prefill_gpu
+from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from dsjax.kernels.sparse_attention.tpu import sparse_decode_tpu
 
 # Hopper (H100/H200) multiprocessors; used only to decide when to split keys between programs.
@@ -40,3 +40,19 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
     return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels,
                     gpu=lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret),
                     tpu=lambda: sparse_decode_tpu(*args, **kw))
+
+
+def sparse_prefill(q_bchd: jax.Array, window, window_start_bc: jax.Array, window_end_bc: jax.Array, entries,
+                   sinks_h: jax.Array, scale: float, *, entries_len_bc: jax.Array | None = None,
+                   idx_bck: jax.Array | None = None, kernels: str = "auto") -> jax.Array:
+    """`reference.sparse_prefill_reference`'s result: the GPU kernel on cuda, the reference elsewhere
+    (no TPU prefill kernel yet)."""
+    args = (q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale)
+    kw = dict(entries_len_bc=entries_len_bc, idx_bck=idx_bck)
+    b, c, h, _ = q_bchd.shape
+    n_keys = jax.tree.leaves(window)[0].shape[1]
+    if entries is not None:
+        n_keys += idx_bck.shape[2] if idx_bck is not None else jax.tree.leaves(entries)[0].shape[1]
+    tiling = gpu_tiling(b * c, h, n_keys)
+    return dispatch(functools.partial(sparse_prefill_reference, *args, **kw), kernels=kernels,
+                    gpu=lambda interpret: sparse_prefill_gpu(*args, **kw, **tiling, interpret=interpret))

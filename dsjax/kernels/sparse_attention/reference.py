@@ -38,26 +38,48 @@ def sparse_decode_reference(q_bhd: jax.Array, window: Rows, window_len_b: jax.Ar
       `idx_bk [B, K]`, the picked rows are (CSA; -1 picks nothing); None: sliding-window layers.
     `out_dtype` defaults to q's dtype; fp32 returns the sums unrounded.
     """
-    dtype = q_bhd.dtype
-    keys_bnd = read_rows(window, dtype)
-    visible_bn = jnp.arange(keys_bnd.shape[1])[None, :] < window_len_b[:, None]
-    if entries is not None:
-        if (entries_len_b is None) == (idx_bk is None):
-            raise ValueError("sparse decode: give exactly one of entries_len_b (attend a prefix) and idx_bk (picks)")
-        if idx_bk is not None:
-            entries, entry_visible = gather_rows(entries, idx_bk), idx_bk >= 0
-        else:
-            n_rows = jax.tree.leaves(entries)[0].shape[1]
-            entry_visible = jnp.arange(n_rows)[None, :] < entries_len_b[:, None]
-        keys_bnd = jnp.concatenate([keys_bnd, read_rows(entries, dtype)], axis=1)
-        visible_bn = jnp.concatenate([visible_bn, entry_visible], axis=1)
+    column = lambda x: None if x is None else x[:, None]  # noqa: E731
+    return sparse_prefill_reference(q_bhd[:, None], window, jnp.zeros_like(window_len_b)[:, None],
+                                    window_len_b[:, None], entries, sinks_h, scale,
+                                    entries_len_bc=column(entries_len_b), idx_bck=column(idx_bk),
+                                    out_dtype=out_dtype)[:, 0]
 
+
+def sparse_prefill_reference(q_bchd: jax.Array, window: Rows, window_start_bc: jax.Array, window_end_bc: jax.Array,
+                             entries: Rows | None, sinks_h: jax.Array, scale: float, *,
+                             entries_len_bc: jax.Array | None = None, idx_bck: jax.Array | None = None,
+                             out_dtype=None) -> jax.Array:
+    """C queries per slot, `[B, C, H, D]`: query c sees its slot's window rows `[start[b, c], end[b, c])`
+    and entry rows `[0, entries_len[b, c])` (HCA) or `idx[b, c, :]` (CSA; -1 picks nothing)."""
+    dtype = q_bchd.dtype
     f32, exact = jnp.float32, jax.lax.Precision.HIGHEST
     # Widened operands: bf16 products are exact in fp32, and XLA:CPU would otherwise sum bf16 in bf16.
-    keys_bnd = keys_bnd.astype(f32)
-    s_bhn = jnp.einsum("bhd,bnd->bhn", q_bhd.astype(f32), keys_bnd, precision=exact)
-    s_bhn = jnp.where(visible_bn[:, None, :], s_bhn * scale, -jnp.inf)
-    sink_bh1 = jnp.broadcast_to(sinks_h.astype(f32)[None, :, None], (*s_bhn.shape[:2], 1))
-    p_bhn = jax.nn.softmax(jnp.concatenate([s_bhn, sink_bh1], axis=-1), axis=-1)[..., :-1]
-    o_bhd = jnp.einsum("bhn,bnd->bhd", p_bhn, keys_bnd, precision=exact)
-    return o_bhd.astype(out_dtype or dtype)
+    q_bchd = q_bchd.astype(f32)
+    keys_bnd = read_rows(window, dtype).astype(f32)
+    n = jnp.arange(keys_bnd.shape[1])
+    visible = [(n >= window_start_bc[..., None]) & (n < window_end_bc[..., None])]
+    scores = [jnp.einsum("bchd,bnd->bchn", q_bchd, keys_bnd, precision=exact)]
+    if entries is not None:
+        if (entries_len_bc is None) == (idx_bck is None):
+            raise ValueError("sparse attention: give exactly one of the entry counts (attend a prefix) and the picks")
+        if idx_bck is not None:
+            b, c, k = idx_bck.shape
+            picked = read_rows(gather_rows(entries, idx_bck.reshape(b, c * k)), dtype).astype(f32)
+            picked_bckd = picked.reshape(b, c, k, -1)
+            visible.append(idx_bck >= 0)
+            scores.append(jnp.einsum("bchd,bckd->bchk", q_bchd, picked_bckd, precision=exact))
+        else:
+            entries_btd = read_rows(entries, dtype).astype(f32)
+            visible.append(jnp.arange(entries_btd.shape[1]) < entries_len_bc[..., None])
+            scores.append(jnp.einsum("bchd,btd->bcht", q_bchd, entries_btd, precision=exact))
+    s_bchn = jnp.concatenate(scores, axis=-1) * scale
+    s_bchn = jnp.where(jnp.concatenate(visible, axis=-1)[:, :, None, :], s_bchn, -jnp.inf)
+    sink = jnp.broadcast_to(sinks_h.astype(f32)[:, None], (*s_bchn.shape[:3], 1))
+    p_bchn = jax.nn.softmax(jnp.concatenate([s_bchn, sink], axis=-1), axis=-1)[..., :-1]
+    w = keys_bnd.shape[1]
+    o_bchd = jnp.einsum("bchn,bnd->bchd", p_bchn[..., :w], keys_bnd, precision=exact)
+    if entries is not None:
+        spec = "bchk,bckd->bchd" if idx_bck is not None else "bcht,btd->bchd"
+        o_bchd += jnp.einsum(spec, p_bchn[..., w:], picked_bckd if idx_bck is not None else entries_btd,
+                             precision=exact)
+    return o_bchd.astype(out_dtype or dtype)

@@ -323,19 +323,18 @@ def _kernel(*refs, cfg: _Config):
             return [pltpu.make_async_copy(h.at[b, pl.ds(row, 1)], buf.at[slot, pl.ds(r, 1)], sem.at[slot])
                     for h, buf in zip(entry_hbm, buffers)]
 
-        def start_block(e, slot):
+        def each_row_copy(e, slot, act):
             def body(r, carry):
                 for c in row_copies(e, slot, r):
-                    c.start()
+                    act(c)
                 return carry
             jax.lax.fori_loop(0, be, body, 0)
 
+        def start_block(e, slot):
+            each_row_copy(e, slot, lambda c: c.start())
+
         def wait_block(e, slot):
-            def body(r, carry):
-                for c in row_copies(e, slot, r):
-                    c.wait()
-                return carry
-            jax.lax.fori_loop(0, be, body, 0)
+            each_row_copy(e, slot, lambda c: c.wait())
 
         def visible(e):
             return picks_vmem[pl.ds(e, 1), :] >= 0
