@@ -72,11 +72,11 @@ def test_greedy_decode_with_kernels_gives_the_references_tokens(kv_dtype, dtype)
     out = {}
     for k in ("reference", kernels):
         m = model(k, dtype)
-        # Decode runs both decode kernels, prefill the prefill kernel (or none of them).
-        decode, prefill = step_jaxpr(m, kv_dtype, 1), step_jaxpr(m, kv_dtype, 16)
-        for name, text in (("dsjax_sparse_decode", decode), ("dsjax_index_scores", decode),
-                           ("dsjax_sparse_prefill", prefill)):
-            assert (name in text) == (k != "reference"), (k, name)
+        if k != "reference":  # decode runs both decode kernels, prefill the prefill kernel
+            decode, prefill = step_jaxpr(m, kv_dtype, 1), step_jaxpr(m, kv_dtype, 16)
+            for name, text in (("dsjax_sparse_decode", decode), ("dsjax_index_scores", decode),
+                               ("dsjax_sparse_prefill", prefill)):
+                assert name in text, name
         if ON_GPU:
             engine = Engine(m, num_slots=len(prompts), max_len=80 + steps, chunk_size=16, kv_dtype=kv_dtype)
             out[k] = [(r.tokens, np.asarray([lp.logprob for lp in r.logprobs]),

@@ -62,7 +62,7 @@ def test_kernel_matches_reference(seed, case):
     assert sparse_decode_gpu(*args, **kw, **tiling, interpret=not ON_GPU).dtype == args[0].dtype
 
 
-@pytest.mark.parametrize("seed,kv_dtype,picks", [(10, "fp8", True), (11, "bfloat16", False), (12, "fp4", True)])
+@pytest.mark.parametrize("seed,kv_dtype,picks", [(10, "fp4", True), (11, "fp8", False)])
 def test_prefill_kernel_matches_reference(seed, kv_dtype, picks):
     """C queries per slot, each with its own window range (some empty) and its own entries: a prefix
     (HCA) or picks with -1 holes (CSA), all reading their slot's rows."""
