@@ -29,22 +29,19 @@ def window_visible(q_pos_bs: jax.Array, k_pos_bk: jax.Array, window: int) -> jax
     return (k <= q) & (k > q - window)
 
 
-def attend_with_sinks(q_bshd, kv_bkd, visible_bsk, sinks_h, scale: float, accumulate=None,
-                      out_dtype=None) -> jax.Array:
+def attend_with_sinks(q_bshd, kv_bkd, visible_bsk, sinks_h, scale: float) -> jax.Array:
     """Softmax attention of nh query heads over one shared K=V head, with a per-head sink logit.
 
     `P = exp(a) / (Σ exp(a) + exp(sink))`: the sink takes probability mass but adds no value.
     Scores are formed in the activation dtype and the softmax runs in fp32, as in the reference.
-    `accumulate`: the dtype the two matmuls sum in (default: XLA's choice for the backend), and
-    `out_dtype` the dtype their sums are rounded to (default: the operands').
     """
-    s_bhsk = einsum("bshd,bkd->bhsk", q_bshd, kv_bkd, accumulate=accumulate) * jnp.asarray(scale, q_bshd.dtype)
+    s_bhsk = einsum("bshd,bkd->bhsk", q_bshd, kv_bkd) * jnp.asarray(scale, q_bshd.dtype)
     s_bhsk = jnp.where(visible_bsk[:, None], s_bhsk.astype(jnp.float32), -jnp.inf)
     b, h, s, _ = s_bhsk.shape
     sink_bhs1 = jnp.broadcast_to(sinks_h.astype(jnp.float32)[None, :, None, None], (b, h, s, 1))
     logits = jnp.concatenate([s_bhsk, sink_bhs1], axis=-1)
     p_bhsk = jax.nn.softmax(logits, axis=-1)[..., :-1].astype(kv_bkd.dtype)
-    return einsum("bhsk,bkd->bshd", p_bhsk, kv_bkd, accumulate=accumulate, out_dtype=out_dtype)
+    return einsum("bhsk,bkd->bshd", p_bhsk, kv_bkd)
 
 
 class Attention(nnx.Module):

@@ -18,13 +18,6 @@ def precision(*operands: jax.Array) -> jax.lax.Precision:
     return jax.lax.Precision.DEFAULT
 
 
-def einsum(spec: str, *operands: jax.Array, accumulate=None, out_dtype=None) -> jax.Array:
-    """`jnp.einsum` under the precision policy above. `accumulate` (e.g. fp32) sums in that dtype and
-    rounds the result once, to `out_dtype` (default: the operands' dtype); XLA:CPU otherwise sums bf16
-    products in bf16."""
-    if accumulate is None:
-        return jnp.einsum(spec, *operands, precision=precision(*operands))
-    # Widening the operands gives the same sums (products of bf16 values are exact in fp32), and XLA:CPU
-    # has no bf16 × bf16 → fp32 dot.
-    wide = [x.astype(accumulate) for x in operands]
-    return jnp.einsum(spec, *wide, precision=precision(*wide)).astype(out_dtype or jnp.result_type(*operands))
+def einsum(spec: str, *operands: jax.Array) -> jax.Array:
+    """`jnp.einsum` under the precision policy above."""
+    return jnp.einsum(spec, *operands, precision=precision(*operands))
