@@ -26,6 +26,14 @@ def gpu_tiling(b: int, h: int, n_keys: int) -> dict:
     return dict(block_h=block_h, block_k=64, num_warps=8, num_stages=3, num_splits=splits)
 
 
+def _keys_per_query(window, entries, picks: jax.Array | None) -> int:
+    """About how many keys one query reads: the window rows plus its picks or every entry row."""
+    n = jax.tree.leaves(window)[0].shape[1]
+    if entries is not None:
+        n += picks.shape[-1] if picks is not None else jax.tree.leaves(entries)[0].shape[1]
+    return n
+
+
 def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, sinks_h: jax.Array, scale: float, *,
                   entries_len_b: jax.Array | None = None, idx_bk: jax.Array | None = None,
                   kernels: str = "auto") -> jax.Array:
@@ -33,10 +41,7 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
     args = (q_bhd, window, window_len_b, entries, sinks_h, scale)
     kw = dict(entries_len_b=entries_len_b, idx_bk=idx_bk)
     b, h, _ = q_bhd.shape
-    n_keys = jax.tree.leaves(window)[0].shape[1]
-    if entries is not None:
-        n_keys += idx_bk.shape[1] if idx_bk is not None else jax.tree.leaves(entries)[0].shape[1]
-    tiling = gpu_tiling(b, h, n_keys)
+    tiling = gpu_tiling(b, h, _keys_per_query(window, entries, idx_bk))
     return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels,
                     gpu=lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret),
                     tpu=lambda: sparse_decode_tpu(*args, **kw))
@@ -50,9 +55,6 @@ def sparse_prefill(q_bchd: jax.Array, window, window_start_bc: jax.Array, window
     args = (q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale)
     kw = dict(entries_len_bc=entries_len_bc, idx_bck=idx_bck)
     b, c, h, _ = q_bchd.shape
-    n_keys = jax.tree.leaves(window)[0].shape[1]
-    if entries is not None:
-        n_keys += idx_bck.shape[2] if idx_bck is not None else jax.tree.leaves(entries)[0].shape[1]
-    tiling = gpu_tiling(b * c, h, n_keys)
+    tiling = gpu_tiling(b * c, h, _keys_per_query(window, entries, idx_bck))
     return dispatch(functools.partial(sparse_prefill_reference, *args, **kw), kernels=kernels,
                     gpu=lambda interpret: sparse_prefill_gpu(*args, **kw, **tiling, interpret=interpret))
