@@ -4,13 +4,19 @@ For each size it reports the kernel's and the reference's time per call, the byt
 read and write (each input row it needs once, the output once) over the kernel's time, that rate as a
 share of the measured device copy bandwidth, and the kernel's FLOP/s. Timing: several independent
 input sets (so the L2 cache does not serve repeats) run back to back inside one jitted call; the time
-per call is the difference between calls of 24 and of 8 sets, over 16 (launch and host overhead cancel).
+per call is the difference between the fastest of 9 calls over 24 sets and over 8, over 16 (launch and host
+overhead cancel; host jitter only adds time, so the fastest call is kept). For single kernels, ncu's
+`gpu__time_duration` is the steadier number (`docs/benchmarks.md`).
 
     python scripts/bench_kernels.py attention --batch 1 64 256 --context 4096 131072 1048576
     python scripts/bench_kernels.py tune --batch 64 --context 131072
     python scripts/bench_kernels.py indexer --batch 1 64 --context 131072
     dsjax export --preset tiny-kernels --platform cuda --weights bf16 --out build/export-cuda   # (on CPU)
     python scripts/bench_kernels.py export --artifact build/export-cuda
+    ncu --clock-control none --kernel-name regex:dsjax --metrics gpu__time_duration.sum --csv \
+        python scripts/bench_kernels.py variants --variant '{"op": "attention", "kv": "fp8", "batch": 64, \
+        "context": 131072}' '{"op": "indexer", "kv": "fp8", "batch": 64, "context": 131072}' > ncu.log
+    python scripts/bench_kernels.py ncu --ncu-log ncu.log --copy-tbps 4.28   # the kernels' own times
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import argparse
 import functools
 import itertools
 import json
-import statistics
 import sys
 import time
 
@@ -42,7 +47,7 @@ def emit(args, rows: list, row: dict, bandwidth: float) -> None:
             f.write(json.dumps({"device": jax.devices()[0].device_kind, "copy_TBps": bandwidth / 1e12, **row}) + "\n")
 
 
-def timed(fn, make_sets, shared=(), few: int = 8, many: int = 24, repeats: int = 7) -> float:
+def timed(fn, make_sets, shared=(), few: int = 8, many: int = 24, repeats: int = 9) -> float:
     """Seconds per call of `fn(*shared, *set)`, by differencing one jitted call over `many` sets and over
     `few`. `shared` arrays (a big cache) are arguments, not constants captured in the executable."""
     sets = [make_sets(i) for i in range(many)]
@@ -55,7 +60,7 @@ def timed(fn, make_sets, shared=(), few: int = 8, many: int = 24, repeats: int =
             t0 = time.perf_counter()
             jax.block_until_ready(run(shared, sets))
             samples.append(time.perf_counter() - t0)
-        times[n] = statistics.median(samples)
+        times[n] = min(samples)  # host jitter only ever adds time
     return max(times[many] - times[few], 1e-9) / (many - few)
 
 
@@ -153,7 +158,8 @@ def bench_attention(args, cfg, bandwidth):
 
         t_rows = jax.tree.leaves(entries)[0].shape[1]
         tiling = gpu_tiling(batch, cfg.num_attention_heads,
-                            cfg.sliding_window + (min(cfg.index_topk, t_rows) if layer == CSA else t_rows))
+                            cfg.sliding_window + (min(cfg.index_topk, t_rows) if layer == CSA else t_rows),
+                            **json.loads(args.tiling))
 
         def kernel(entries, q, window, wlen, sinks, extra):
             return sparse_decode_gpu(q, window, wlen, entries, sinks, scale, **extra, **tiling,
@@ -185,65 +191,78 @@ def bench_tune(args, cfg, bandwidth):
     scale = cfg.head_dim ** -0.5
     for batch, context, kv_dtype in itertools.product(args.batch, args.context, args.kv_dtype):
         entries, make_set, n_bytes, flops = attention_case(cfg, batch, context, kv_dtype, CSA)
-        for bh, bk, warps, stages, splits in itertools.product(args.block_h, args.block_k, args.num_warps,
-                                                               args.num_stages, args.splits):
-            tiling = dict(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages, num_splits=splits)
+        from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+        one = make_set(0)
+        want = np.asarray(jax.jit(lambda entries, q, window, wlen, sinks, extra: sparse_decode_reference(
+            q, window, wlen, entries, sinks, scale, **extra))(entries, *one), np.float32)
+        for bh, bk, warps, stages, splits, extra in itertools.product(args.block_h, args.block_k, args.num_warps,
+                                                                      args.num_stages, args.splits, args.extra):
+            tiling = dict(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages, num_splits=splits,
+                          **json.loads(extra))
 
             def kernel(entries, q, window, wlen, sinks, extra, tiling=tiling):
                 return sparse_decode_gpu(q, window, wlen, entries, sinks, scale, **extra, **tiling,
                                          interpret=args.interpret)
 
             try:
-                t = timed(kernel, make_set, (entries,), few=4, many=12, repeats=5)
+                got = np.asarray(jax.jit(kernel)(entries, *one), np.float32)
+                t = timed(kernel, make_set, (entries,), few=4, many=20, repeats=7)
             except Exception as e:  # a tiling the compiler refuses (registers, shared memory)
                 print(f"{tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
             emit(args, rows, {"op": "tune", "batch": batch, "context": context, "kv": kv_dtype, **tiling,
-                         "kernel_us": t * 1e6, "of_copy": n_bytes / t / bandwidth}, bandwidth)
+                         "kernel_us": t * 1e6, "of_copy": n_bytes / t / bandwidth, "TFLOPs": flops / t / 1e12,
+                         "rel_err": float(np.linalg.norm(got - want) / np.linalg.norm(want))}, bandwidth)
     return rows
+
+
+def indexer_case(cfg: ModelConfig, batch: int, context: int, kv_dtype: str):
+    """(index keys, make_set(i) → (q, weights, keys_len), bytes, flops) for one indexer size."""
+    from dsjax.quant import INDEX_FP8_GROUP
+
+    nh, c = cfg.index_n_heads, cfg.index_head_dim
+    t = context // cfg.compress_rate_csa
+    k1, k2 = jax.random.split(jax.random.key(0))
+    if kv_dtype == "fp8":
+        keys = PackedKV(jax.random.normal(k1, (batch, t, c), jnp.float32).astype(FP8),
+                        jax.random.uniform(k2, (batch, t, c // INDEX_FP8_GROUP), jnp.float32, 0.5, 2.0),
+                        jnp.zeros((batch, t, 0), jnp.bfloat16), INDEX_FP8_GROUP)
+    else:
+        keys = jax.random.normal(k1, (batch, t, c), jnp.bfloat16)
+
+    def make_set(i):
+        kq, kw = jax.random.split(jax.random.key(1000 + i))
+        return (jax.random.normal(kq, (batch, nh, c), jnp.bfloat16), jax.random.normal(kw, (batch, nh), jnp.float32),
+                jnp.full((batch,), t, jnp.int32))
+
+    n_bytes = batch * (t * (row_bytes(keys) + 4) + nh * c * 2 + nh * 4)
+    return keys, make_set, n_bytes, batch * 2 * nh * c * t
 
 
 def bench_indexer(args, cfg, bandwidth):
     from dsjax.kernels.indexer.gpu import index_scores_gpu
     from dsjax.kernels.indexer.reference import index_scores_reference
-    from dsjax.quant import INDEX_FP8_GROUP
 
     rows = []
-    nh, c = cfg.index_n_heads, cfg.index_head_dim
-    scale = c ** -0.5
+    scale = cfg.index_head_dim ** -0.5
     for batch, context, kv_dtype in itertools.product(args.batch, args.context, args.kv_dtype):
         if batch * context > args.max_tokens or kv_dtype == "fp4":  # index keys are never fp4
             continue
-        t = context // cfg.compress_rate_csa
-        k1, k2 = jax.random.split(jax.random.key(0))
-        if kv_dtype == "fp8":
-            keys = PackedKV(jax.random.normal(k1, (batch, t, c), jnp.float32).astype(FP8),
-                            jax.random.uniform(k2, (batch, t, c // INDEX_FP8_GROUP), jnp.float32, 0.5, 2.0),
-                            jnp.zeros((batch, t, 0), jnp.bfloat16), INDEX_FP8_GROUP)
-        else:
-            keys = jax.random.normal(k1, (batch, t, c), jnp.bfloat16)
-
-        def make_set(i):
-            kq, kw = jax.random.split(jax.random.key(1000 + i))
-            return (jax.random.normal(kq, (batch, nh, c), jnp.bfloat16),
-                    jax.random.normal(kw, (batch, nh), jnp.float32),
-                    jnp.full((batch,), t, jnp.int32))
-
-        n_bytes = batch * (t * (row_bytes(keys) + 4) + nh * c * 2 + nh * 4)
-        flops = batch * 2 * nh * c * t
+        keys, make_set, n_bytes, flops = indexer_case(cfg, batch, context, kv_dtype)
         ref = lambda keys, q, w, n: index_scores_reference(q, w, keys, n, scale)  # noqa: E731
         want = np.asarray(jax.jit(ref)(keys, *make_set(0)))
         t_ref = float("nan") if args.no_reference else timed(ref, make_set, (keys,))
-        for block_t, tiles, warps in itertools.product(args.block_t, args.tiles, args.num_warps):
-            def kernel(keys, q, w, n, block_t=block_t, tiles=tiles, warps=warps):
+        for block_t, tiles, warps, extra in itertools.product(args.block_t, args.tiles, args.num_warps, args.extra):
+            def kernel(keys, q, w, n, block_t=block_t, tiles=tiles, warps=warps, extra=json.loads(extra)):
                 return index_scores_gpu(q, w, keys, n, scale, block_t=block_t, tiles=tiles, num_warps=warps,
-                                        interpret=args.interpret)
+                                        interpret=args.interpret, **extra)
 
             got = np.asarray(jax.jit(kernel)(keys, *make_set(0)))
             rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             t_kernel = timed(kernel, make_set, (keys,))
             emit(args, rows, {"op": "indexer", "batch": batch, "context": context, "kv": kv_dtype,
-                              "block_t": block_t, "tiles": tiles, "warps": warps, "kernel_us": t_kernel * 1e6,
+                              "block_t": block_t, "tiles": tiles, "warps": warps, **json.loads(extra),
+                              "kernel_us": t_kernel * 1e6,
                               "reference_us": t_ref * 1e6, "speedup": t_ref / t_kernel, "MB": n_bytes / 1e6,
                               "GBps": n_bytes / t_kernel / 1e9, "of_copy": n_bytes / t_kernel / bandwidth,
                               "TFLOPs": flops / t_kernel / 1e12, "rel_err": rel}, bandwidth)
@@ -305,9 +324,72 @@ def bench_export(args, cfg, bandwidth):
     return rows
 
 
+def run_variants(args, cfg, bandwidth):
+    """Run each `--variant` kernel twice (compile, then the measured launch) and print `VARIANT …` after it,
+    for a profiler to time: `ncu --metrics gpu__time_duration.sum --csv … variants …`, then `ncu`.
+    Attention variants start from the model's tiling (`gpu_tiling`) for their size."""
+    from dsjax.kernels.indexer.gpu import index_scores_gpu
+    from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
+    from dsjax.kernels.sparse_attention.op import gpu_tiling
+
+    for text in args.variant:
+        spec = json.loads(text)
+        op, kv, batch, context = spec.pop("op"), spec.pop("kv"), spec.pop("batch"), spec.pop("context")
+        if op == "attention":
+            layer = CSA if spec.pop("layer", "csa") == "csa" else HCA
+            entries, make_set, n_bytes, flops = attention_case(cfg, batch, context, kv, layer)
+            q, window, wlen, sinks, extra = make_set(0)
+            scale = cfg.head_dim ** -0.5
+            n_rows = jax.tree.leaves(entries)[0].shape[1]
+            # The model's tiling for this size, with the variant's changes.
+            tiling = {**gpu_tiling(batch, cfg.num_attention_heads, cfg.sliding_window + (
+                min(cfg.index_topk, n_rows) if layer == CSA else n_rows)), **spec}
+            fn = jax.jit(lambda e, q, w, n, s, x: sparse_decode_gpu(q, w, n, e, s, scale, **x, **tiling,
+                                                                    interpret=args.interpret))
+            inputs = (entries, q, window, wlen, sinks, extra)
+        else:
+            keys, make_set, n_bytes, flops = indexer_case(cfg, batch, context, kv)
+            scale = cfg.index_head_dim ** -0.5
+            fn = jax.jit(lambda k, q, w, n: index_scores_gpu(q, w, k, n, scale, **spec, interpret=args.interpret))
+            inputs = (keys, *make_set(0))
+        for _ in range(2):
+            jax.block_until_ready(fn(*inputs))
+        print("VARIANT " + json.dumps({"variant": json.loads(text), "bytes": n_bytes, "flops": flops}), flush=True)
+        del inputs
+    return []
+
+
+def read_ncu(args, cfg, bandwidth):
+    """Rows from a `variants` run under `ncu --csv --metrics gpu__time_duration.sum` (its whole output in
+    `--ncu-log`): each variant's second launch, whose duration the GPU itself measured."""
+    import csv
+
+    lines = open(args.ncu_log).read().splitlines()
+    variants = [json.loads(line.split("VARIANT ", 1)[1]) for line in lines if line.startswith("VARIANT ")]
+    table = [r for r in csv.reader(line for line in lines if line.startswith('"')) if len(r) > 5]
+    if not table:
+        raise SystemExit(f"{args.ncu_log}: no ncu CSV rows")
+    ix = {h: i for i, h in enumerate(table[0])}
+    per_unit = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3}
+    seconds = [float(r[ix["Metric Value"]].replace(",", "")) * per_unit[r[ix["Metric Unit"]]]
+               for r in table[1:] if r[ix["Metric Name"]] == "gpu__time_duration.sum"]
+    if len(seconds) != 2 * len(variants):
+        raise SystemExit(f"{args.ncu_log}: {len(seconds)} kernel launches for {len(variants)} variants (want 2 each;"
+                         " profile with --kernel-name regex:dsjax and one split)")
+    rows = []
+    for v, t in zip(variants, seconds[1::2]):
+        emit(args, rows, {**v["variant"], "kernel_us": t * 1e6, "GBps": v["bytes"] / t / 1e9,
+                          "of_copy": v["bytes"] / t / bandwidth, "TFLOPs": v["flops"] / t / 1e12}, bandwidth)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("attention", "tune", "indexer", "export"))
+    p.add_argument("what", choices=("attention", "tune", "indexer", "export", "variants", "ncu"))
+    p.add_argument("--variant", nargs="+", default=[], help="variants: JSON kernel specs, e.g. "
+                   '\'{"op": "attention", "kv": "fp8", "batch": 64, "context": 131072, "block_h": 32}\'')
+    p.add_argument("--ncu-log", help="ncu: the output of a `variants` run under ncu")
+    p.add_argument("--copy-tbps", type=float, help="ncu: the copy bandwidth to compare with (else measured here)")
     p.add_argument("--artifact", help="export: a `dsjax export` folder for this platform")
     p.add_argument("--steps", type=int, default=32, help="export: decode steps to compare and time")
     p.add_argument("--preset", default="v4.1-flash")
@@ -321,18 +403,23 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8], help="tune: attention; indexer: first")
     p.add_argument("--num-stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--block-t", type=int, nargs="+", default=[64], help="indexer keys per block")
-    p.add_argument("--tiles", type=int, nargs="+", default=[4], help="indexer blocks per program")
+    p.add_argument("--tiles", type=int, nargs="+", default=[16], help="indexer blocks per program")
     p.add_argument("--max-tokens", type=int, default=64 * 1048576, help="skip sizes of more batch × context")
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--tiling", default="{}", help="attention: JSON overrides of gpu_tiling's defaults")
+    p.add_argument("--extra", nargs="+", default=["{}"], help="tune, indexer: JSON dicts of further kernel options")
     p.add_argument("--interpret", action="store_true", help="run the kernels interpreted (a CPU smoke test)")
     p.add_argument("--json", help="append the rows here")
     args = p.parse_args(argv)
     args.layer = [CSA if x == "csa" else HCA for x in args.layer]
     cfg = ModelConfig.preset(args.preset)
-    bandwidth = copy_bandwidth(32 << 20 if args.interpret else 2 << 30)
+    if args.copy_tbps:
+        bandwidth = args.copy_tbps * 1e12
+    else:
+        bandwidth = copy_bandwidth(32 << 20 if args.interpret else 2 << 30)
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = {"attention": bench_attention, "tune": bench_tune, "indexer": bench_indexer,
-            "export": bench_export}[args.what](args, cfg, bandwidth)
+            "export": bench_export, "variants": run_variants, "ncu": read_ncu}[args.what](args, cfg, bandwidth)
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "op"))
     print(" ".join(f"{k:>10}" for k in keys))
     for r in sorted(rows, key=lambda r: r.get("kernel_us", 0)) if args.what == "tune" else rows:

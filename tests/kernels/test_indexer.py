@@ -43,3 +43,17 @@ def test_fp4_keys_are_refused():
     q, w, keys, n, scale = inputs(4)
     with pytest.raises(ValueError, match="fp8 or float, got fp4"):
         index_scores_gpu(q, w, pack_kv(jnp.zeros((3, 300, 64)), "fp4", 0), n, scale, interpret=True)
+
+
+@pytest.mark.parametrize("magnitude", [1e6, 1e-7])
+def test_fp8_keys_take_queries_beyond_fp16s_range(magnitude):
+    """fp8 keys multiply on fp16 tensor cores; queries far outside fp16's range (it overflows at 65504
+    and rounds below 6e-5) still give the reference's scores, since each head's row is scaled by a power
+    of two first. Heads of different magnitudes share a program."""
+    q, w, keys, n, scale = inputs(5, "fp8", c=128, group=64)
+    q = q * jnp.asarray(np.geomspace(1.0, magnitude, q.shape[1]), jnp.bfloat16)[None, :, None]
+    want = np.asarray(index_scores_reference(q, w, keys, n, scale))
+    got = np.asarray(index_scores_gpu(q, w, keys, n, scale, interpret=not ON_GPU))
+    live = ~np.isneginf(want)
+    assert np.isfinite(got[live]).all()
+    assert_close(got[live], want[live], rtol=1e-5)

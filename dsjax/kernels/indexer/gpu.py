@@ -6,6 +6,13 @@ Grid (slot, key span): a program holds the slot's index queries `[nI, c]` and he
 scale group for fp8 keys: the codes, exact in bf16, are multiplied first and the group's row scale
 applied to the fp32 sums), ReLU, the weighted sum over heads, and a row of scores. Spans past the
 slot's key count write −inf without reading keys.
+
+fp8 codes against bf16 queries multiply on fp16 tensor cores: the codes convert to fp16 in one
+instruction and exactly (to bf16 they take three), which made the kernel 1.2× faster on an H200. The
+queries stay exact too: each head's row is first multiplied by the power of two that puts its largest
+magnitude in [2^14, 2^15) (within fp16's range, so nothing overflows), and the sums are divided by it
+again. Only elements below 2^-28 of their row's largest fall into fp16's subnormals, an error of at
+most 2^-39 of that largest element: every product is still exact in the fp32 sums.
 """
 
 from __future__ import annotations
@@ -22,12 +29,31 @@ from dsjax.layers.numerics import precision
 from dsjax.quant import PackedKV
 
 
+def _pow2(exponent):
+    """2^exponent as fp32, exactly, for int32 exponents in [-126, 127]."""
+    return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
+
+
+def fp16_rows(pieces_hc: dict) -> tuple[dict, jax.Array]:
+    """Column pieces of the same rows as fp16, and `2^-s_h`: each row scaled by the power of two `2^s_h`
+    that puts its largest magnitude in [2^14, 2^15), so that bf16 values convert to fp16 without
+    overflow or rounding (but for those below 2^-28 of their row's largest: fp16 subnormals)."""
+    pieces_hc = {c: x.astype(jnp.float32) for c, x in pieces_hc.items()}
+    max_h = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in pieces_hc.values()])
+    biased_h = (jax.lax.bitcast_convert_type(max_h, jnp.int32) >> 23) & 0xFF
+    shift_h = jnp.clip(127 + 14 - biased_h, -126, 126)
+    return {c: (x * _pow2(shift_h)[:, None]).astype(jnp.float16) for c, x in pieces_hc.items()}, _pow2(-shift_h)
+
+
 def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_t, tiles, pieces, n_rows):
     *key_refs, o_ref = refs
-    dtype = q_ref.dtype
+    fp16 = q_ref.dtype == jnp.bfloat16 and pieces[0].kind == "fp8"
+    dtype = jnp.float16 if fp16 else q_ref.dtype
     exact = precision(q_ref)
     w_h = w_ref[...].astype(jnp.float32)
     q_pieces = {p.col: q_ref[:, pl.ds(p.col, p.width)] for p in pieces}
+    if fp16:
+        q_pieces, unscale_h = fp16_rows(q_pieces)
     keys_len = len_ref[...]
     span0 = pl.program_id(1) * tiles * block_t
     n_live = jnp.clip(pl.cdiv(keys_len - span0, block_t), 0, tiles)
@@ -45,6 +71,8 @@ def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_t, tiles, pieces, n_rows)
                                    precision=exact) * row_scale
             else:
                 dots_th += jnp.dot(tile, q_pieces[p.col].T, preferred_element_type=jnp.float32, precision=exact)
+        if fp16:
+            dots_th = dots_th * unscale_h[None, :]
         score_t = jnp.sum(jnp.maximum(dots_th, 0.0) * w_h[None, :], axis=1) * scale
         o_ref[pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.where(rows < keys_len, score_t, -jnp.inf)
         return carry
@@ -59,7 +87,7 @@ def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_t, tiles, pieces, n_rows)
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_t", "tiles", "num_warps", "num_stages", "interpret"))
 def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,
-                     block_t: int = 64, tiles: int = 4, num_warps: int = 4, num_stages: int = 2,
+                     block_t: int = 64, tiles: int = 16, num_warps: int = 4, num_stages: int = 2,
                      interpret: bool = False) -> jax.Array:
     """`reference.index_scores_reference` as a Pallas kernel (same arguments and result). The default
     tiling was the fastest of a sweep on an H200 at batch 64 and 128K context (`docs/benchmarks.md`)."""

@@ -16,14 +16,15 @@ from dsjax.kernels.sparse_attention.tpu import sparse_decode_tpu
 _GPU_CORES = 132
 
 
-def gpu_tiling(b: int, h: int, n_keys: int) -> dict:
-    """The GPU kernel's tiling for B slots, H heads and about `n_keys` keys per slot: the fastest of a
-    sweep on an H200 at batch 64 and 128K context (`docs/benchmarks.md`); small batches split the keys
-    between programs so that the grid still covers the chip."""
-    block_h = 32 if h % 32 == 0 else 16
+def gpu_tiling(b: int, h: int, n_keys: int, *, block_h: int = 32, block_k: int = 64, num_warps: int = 8,
+               num_stages: int = 3) -> dict:
+    """The GPU kernel's tiling for B slots, H heads and about `n_keys` keys per slot: by default the fastest
+    of a sweep on an H200 at batch 64 and 128K context (`docs/benchmarks.md`); small batches split the
+    keys between programs so that the grid still covers the chip."""
+    block_h = block_h if h % block_h == 0 else 16
     programs = b * max(h // block_h, 1)
-    splits = max(1, min(-(-n_keys // 64) // 2, _GPU_CORES // programs))
-    return dict(block_h=block_h, block_k=64, num_warps=8, num_stages=3, num_splits=splits)
+    splits = max(1, min(-(-n_keys // block_k) // 2, _GPU_CORES // programs))
+    return dict(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages, num_splits=splits)
 
 
 def _keys_per_query(window, entries, picks: jax.Array | None) -> int:

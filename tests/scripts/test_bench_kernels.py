@@ -1,0 +1,51 @@
+"""`scripts/bench_kernels.py`'s device-timed path: the `variants` mode runs each kernel twice and names
+it; the `ncu` mode pairs ncu's kernel durations with those names."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
+spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+          '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def ncu_row(i, value, unit):
+    return (f'"{i}","1","python3","host","dsjax_sparse_decode","1","14","(256, 1, 1)","(64, 2, 1)","0","9.0",'
+            f'"Command line profiler metrics","gpu__time_duration.sum","{unit}","{value}"')
+
+
+def test_variants_then_ncu_give_each_kernels_own_time(tmp_path, capsys):
+    variants = ['{"op": "attention", "kv": "fp8", "batch": 1, "context": 2048, "block_k": 32}',
+                '{"op": "indexer", "kv": "fp8", "batch": 1, "context": 2048, "tiles": 2}']
+    assert bench.main(["variants", "--interpret", "--copy-tbps", "4", "--variant", *variants]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("VARIANT ")]
+    assert [json.loads(line[8:])["variant"] for line in printed] == [json.loads(v) for v in variants]
+    # ncu prints its CSV after the program's own output; the first launch of each variant compiles.
+    log = tmp_path / "ncu.log"
+    log.write_text("\n".join(printed + [HEADER, ncu_row(0, "99,000", "ns"), ncu_row(1, "50,000", "ns"),
+                                        ncu_row(2, "1.5", "ms"), ncu_row(3, "20", "us")]) + "\n")
+    out = tmp_path / "rows.jsonl"
+    bench.main(["ncu", "--ncu-log", str(log), "--copy-tbps", "4", "--json", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["kernel_us"] for r in rows] == pytest.approx([50.0, 20.0])
+    first = json.loads(printed[0][8:])
+    assert rows[0]["of_copy"] == pytest.approx(first["bytes"] / 50e-6 / 4e12)
+    assert rows[0]["block_k"] == 32 and rows[1]["op"] == "indexer" and rows[1]["tiles"] == 2
+
+
+def test_ncu_refuses_a_log_whose_launches_do_not_pair_with_the_variants(tmp_path):
+    log = tmp_path / "ncu.log"
+    log.write_text("\n".join(['VARIANT {"variant": {"op": "indexer"}, "bytes": 1, "flops": 1}', HEADER,
+                              ncu_row(0, "5", "us")]) + "\n")
+    with pytest.raises(SystemExit, match="1 kernel launches for 1 variants"):
+        bench.main(["ncu", "--ncu-log", str(log), "--copy-tbps", "4"])
+    (tmp_path / "empty.log").write_text("no profiler here\n")
+    with pytest.raises(SystemExit, match="no ncu CSV rows"):
+        bench.main(["ncu", "--ncu-log", str(tmp_path / "empty.log"), "--copy-tbps", "4"])
