@@ -176,6 +176,8 @@ def test_accelerator_artifacts_are_written_here(platform, preset, more, tmp_path
         "sparse_decode_tpu", "index_scores_tpu")
     for name in kernels:  # one-device exports run the decode through both kernels; mesh exports not yet
         assert (name in decode) == (not more), name
+    prefill = loaded.exported["prefill"].mlir_module()  # and their chunks through the prefill kernel
+    assert ("dsjax_sparse_prefill" in prefill) == (not more)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -15,8 +15,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dsjax.kernels.indexer.reference import index_scores_reference
 from dsjax.kernels.indexer.tpu import index_scores_tpu
-from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
-from dsjax.kernels.sparse_attention.tpu import e2m1_to_f32, e4m3_to_f32, scales_to_f32, sparse_decode_tpu
+from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
+from dsjax.kernels.sparse_attention.tpu import (e2m1_to_f32, e4m3_to_f32, scales_to_f32, sparse_decode_tpu,
+                                                 sparse_prefill_tpu)
 from dsjax.quant import E2M1_VALUES, pack_kv, ue8m0_to_float
 from tests.helpers import assert_close
 
@@ -24,6 +25,7 @@ INTERPRET = pltpu.InterpretParams()
 # Jitted: op-by-op they compile every primitive for every shape, which costs more than the kernels.
 pack = jax.jit(pack_kv, static_argnums=(1, 2, 3))
 attention_reference = jax.jit(sparse_decode_reference, static_argnames=("scale", "out_dtype"))
+prefill_reference = jax.jit(sparse_prefill_reference, static_argnames=("scale", "out_dtype"))
 index_reference = jax.jit(index_scores_reference, static_argnames=("scale",))
 
 
@@ -107,6 +109,39 @@ def test_sparse_decode_refuses_untileable_shapes():
     args, kw = attention_inputs(0, "bfloat16", "prefix", h=12)
     with pytest.raises(ValueError, match="block_h"):
         sparse_decode_tpu(*args, **kw, block_h=8, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("kv_dtype,mode,wn,tiling", [("fp8", "picks", 64, {"block_k": 32}),
+                                                     ("fp4", "prefix", 32, {})])
+def test_sparse_prefill_matches_reference(kv_dtype, mode, wn, tiling):
+    """C queries per slot, each with its own window range [start, end) (one empty, one across two
+    window blocks with block_k 32) and its own picks with -1 holes (CSA) or entry count (HCA)."""
+    b, c, h, d, t, k = 2, 3, 8, 128, 64, 24
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)) * 2, jnp.bfloat16)
+    rows = pack(jnp.asarray(rng.normal(size=(b, wn + t, d)), jnp.bfloat16), kv_dtype, 64, 64)
+    window, entries = jax.tree.map(lambda a: a[:, :wn], rows), jax.tree.map(lambda a: a[:, wn:], rows)
+    start = rng.integers(0, wn, size=(b, c))
+    end = np.minimum(start + rng.integers(1, 20, size=(b, c)), wn)
+    end[0, 0] = start[0, 0]  # sees no window row
+    start[1, 1], end[1, 1] = 20, 50 if wn == 64 else 30  # crosses a block boundary (wn = 64)
+    kw = {}
+    if mode == "picks":
+        idx = np.stack([[rng.permutation(t)[:k] for _ in range(c)] for _ in range(b)])
+        idx[rng.random((b, c, k)) < 0.3] = -1
+        idx[1, 2] = -1
+        kw["idx_bck"] = jnp.asarray(idx, jnp.int32)
+    else:
+        kw["entries_len_bc"] = jnp.asarray(rng.integers(0, t + 1, size=(b, c)), jnp.int32)
+    sinks = jnp.asarray(rng.normal(size=(h,)) * 2, jnp.float32)
+    args = (q, window, jnp.asarray(start, jnp.int32), jnp.asarray(end, jnp.int32), entries, sinks, d ** -0.5)
+    want = prefill_reference(*args, **kw, out_dtype=jnp.float32)
+    got = sparse_prefill_tpu(*args, **kw, out_dtype=jnp.float32, **tiling, interpret=INTERPRET)
+    assert got.shape == (b, c, h, d)
+    assert_close(np.asarray(got), np.asarray(want), rtol=2e-3, what=f"{kv_dtype} {mode}")
+    exported = jax.export.export(jax.jit(functools.partial(sparse_prefill_tpu, scale=args[-1], **tiling)),
+                                 platforms=["tpu"])(*args[:-1], **kw)
+    assert "dsjax_sparse_prefill_tpu" in exported.mlir_module()
 
 
 # ------------------------------------------------------------------------------- indexer scores

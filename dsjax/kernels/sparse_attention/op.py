@@ -10,7 +10,7 @@ import jax
 from dsjax.kernels.dispatch import dispatch
 from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu, sparse_prefill_gpu
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
-from dsjax.kernels.sparse_attention.tpu import sparse_decode_tpu
+from dsjax.kernels.sparse_attention.tpu import sparse_decode_tpu, sparse_prefill_tpu
 
 # Hopper (H100/H200) multiprocessors; used only to decide when to split keys between programs.
 _GPU_CORES = 132
@@ -51,11 +51,11 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
 def sparse_prefill(q_bchd: jax.Array, window, window_start_bc: jax.Array, window_end_bc: jax.Array, entries,
                    sinks_h: jax.Array, scale: float, *, entries_len_bc: jax.Array | None = None,
                    idx_bck: jax.Array | None = None, kernels: str = "auto") -> jax.Array:
-    """`reference.sparse_prefill_reference`'s result: the GPU kernel on cuda, the reference elsewhere
-    (no TPU prefill kernel yet)."""
+    """`reference.sparse_prefill_reference`'s result, by the kernel `kernels` selects for the platform."""
     args = (q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale)
     kw = dict(entries_len_bc=entries_len_bc, idx_bck=idx_bck)
     b, c, h, _ = q_bchd.shape
     tiling = gpu_tiling(b * c, h, _keys_per_query(window, entries, idx_bck))
     return dispatch(functools.partial(sparse_prefill_reference, *args, **kw), kernels=kernels,
-                    gpu=lambda interpret: sparse_prefill_gpu(*args, **kw, **tiling, interpret=interpret))
+                    gpu=lambda interpret: sparse_prefill_gpu(*args, **kw, **tiling, interpret=interpret),
+                    tpu=lambda: sparse_prefill_tpu(*args, **kw))

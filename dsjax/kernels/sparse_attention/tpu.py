@@ -16,6 +16,10 @@ sink logit and whose running sum starts at 1 (the sink's own mass), as the GPU k
 The lengths and the picks are scalar-prefetch arguments (SMEM); the picks also come as a small VMEM
 block `[K/block_k, block_k]` per slot for the lane-major visibility mask.
 
+Prefill (`sparse_prefill_tpu`) runs the same program over every (slot, query) row of a chunk: the
+grid's first axis is the row, each row has its own window range `[start, end)`, entry count or picks,
+and its window and entries blocks are its slot's (index map `row // C`).
+
 Storage: rows arrive as the arrays they are stored in and are dequantized in VMEM exactly as
 `quant.unpack_kv` does (fp32 product, one rounding to the query dtype), from integer bit operations
 only (e4m3, e2m1 and ue8m0 are decoded from their bytes). Each row is used as column pieces, and the
@@ -177,16 +181,16 @@ def layout_of(rows, width: int, what: str) -> Layout:
     """The layout of `rows` (array or PackedKV `[B, N, ·]`) holding rows of `width` channels."""
     if not isinstance(rows, PackedKV):
         if rows.ndim != 3 or rows.shape[-1] != width:
-            raise ValueError(f"sparse_decode_tpu: {what} rows {tuple(rows.shape)} must be [B, N, {width}]")
+            raise ValueError(f"sparse attention TPU kernel: {what} rows {tuple(rows.shape)} must be [B, N, {width}]")
         return Layout("float", width)
     rd = rows.rope.shape[-1]
     n = width - rd
     fmt = rows.fmt
     n_codes, n_scales = (n, -(-n // rows.group)) if fmt == "fp8" else (n // 2, -(-n // rows.group))
     if fmt == "fp4" and n % 2:
-        raise ValueError(f"sparse_decode_tpu: fp4 {what} rows need an even number of quantized channels, got {n}")
+        raise ValueError(f"sparse attention TPU kernel: fp4 {what} rows need an even number of quantized channels, got {n}")
     if rows.codes.shape[-1] != n_codes or rows.scales.shape[-1] != n_scales:
-        raise ValueError(f"sparse_decode_tpu: {what} {fmt} rows of {width} channels ({rd} rotary) need codes "
+        raise ValueError(f"sparse attention TPU kernel: {what} {fmt} rows of {width} channels ({rd} rotary) need codes "
                          f"[..., {n_codes}] and scales [..., {n_scales}], got {tuple(rows.codes.shape)} and "
                          f"{tuple(rows.scales.shape)}")
     return Layout(fmt, width, rd, rows.group)
@@ -204,8 +208,9 @@ def _block_rows(n_rows: int, block_k: int, arrays: list[jax.Array], what: str) -
         return n_rows
     tile = max(row_tile(a.dtype) for a in arrays)
     if n_rows % block_k or block_k % tile:
-        raise ValueError(f"sparse_decode_tpu: {n_rows} {what} rows cannot be tiled in blocks of block_k={block_k}: "
-                         f"block_k must divide the rows and be a multiple of {tile} (the storage's sublane tile)")
+        raise ValueError(f"sparse attention TPU kernel: {n_rows} {what} rows cannot be tiled in blocks of "
+                         f"block_k={block_k}: block_k must divide the rows and be a multiple of {tile} (the storage's "
+                         "sublane tile)")
     return block_k
 
 
@@ -220,6 +225,7 @@ class _Config:
     n_entries: int  # T
     block_e: int  # entry rows per block (picks per block for "picks")
     n_picks: int  # K padded to a multiple of block_e
+    rows_per_slot: int  # query rows per slot: 1 (decode) or the chunk's C (prefill)
 
 
 def _kernel(*refs, cfg: _Config):
@@ -233,7 +239,7 @@ def _kernel(*refs, cfg: _Config):
         del refs[:n]
         return out
 
-    window_len_ref, entries_len_ref = take(2)
+    window_start_ref, window_end_ref, entries_len_ref = take(3)
     picks_smem = take(1)[0] if cfg.mode == "picks" else None
     q_refs = take(n_pieces)
     (sinks_ref,) = take(1)
@@ -248,7 +254,8 @@ def _kernel(*refs, cfg: _Config):
         (sem,) = take(1)
     assert not refs
 
-    b = pl.program_id(0)
+    i = pl.program_id(0)  # the query row; its keys are its slot's
+    b = _div(i, cfg.rows_per_slot)
     dtype = q_refs[0].dtype
     exact = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     qs = [r[...] for r in q_refs]
@@ -281,20 +288,21 @@ def _kernel(*refs, cfg: _Config):
         for acc, k in zip(acc_refs, keys):
             acc[...] = alpha * acc[...] + pv(p, k)
 
-    # 1. The window ring, from its VMEM block.
-    window_len = jnp.minimum(window_len_ref[b], cfg.n_window)
+    # 1. The window rows [start, end), from the slot's VMEM block.
+    window_start = jnp.maximum(window_start_ref[i], 0)
+    window_end = jnp.minimum(window_end_ref[i], cfg.n_window)
     bw = cfg.block_w
 
     def window_block(j, carry):
-        start = pl.multiple_of(j * bw, bw)
-        rows = start + jax.lax.broadcasted_iota(jnp.int32, (1, bw), 1)
-        attend([r[pl.ds(start, bw), :] for r in window_refs], rows < window_len)
+        first = pl.multiple_of(j * bw, bw)
+        rows = first + jax.lax.broadcasted_iota(jnp.int32, (1, bw), 1)
+        attend([r[pl.ds(first, bw), :] for r in window_refs], (rows >= window_start) & (rows < window_end))
         return carry
 
     # 2. The compressed entries, by double-buffered DMA from HBM.
     be = cfg.block_e
     if cfg.mode == "prefix":
-        entries_len = jnp.minimum(entries_len_ref[b], cfg.n_entries)
+        entries_len = jnp.minimum(entries_len_ref[i], cfg.n_entries)
         n_blocks = _div(entries_len + be - 1, be)
 
         def copies(e, slot):
@@ -318,7 +326,7 @@ def _kernel(*refs, cfg: _Config):
         n_blocks = cfg.n_picks // be
 
         def row_copies(e, slot, r):
-            pick = picks_smem[b * cfg.n_picks + e * be + r]
+            pick = picks_smem[i * cfg.n_picks + e * be + r]
             row = jnp.clip(pick, 0, cfg.n_entries - 1)  # −1 (no pick) copies row 0 and is masked
             return [pltpu.make_async_copy(h.at[b, pl.ds(row, 1)], buf.at[slot, pl.ds(r, 1)], sem.at[slot])
                     for h, buf in zip(entry_hbm, buffers)]
@@ -344,7 +352,7 @@ def _kernel(*refs, cfg: _Config):
         def _():
             start_block(0, 0)  # in flight while the window is computed
 
-    jax.lax.fori_loop(0, _div(window_len + bw - 1, bw), window_block, 0)
+    jax.lax.fori_loop(_div(window_start, bw), _div(window_end + bw - 1, bw), window_block, 0)
 
     if cfg.mode != "none":
         def entry_block(e, carry):
@@ -365,7 +373,10 @@ def _kernel(*refs, cfg: _Config):
         o[...] = (acc[...] / l).astype(o.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "out_dtype", "block_k", "block_h", "interpret"))
+_STATIC = ("scale", "out_dtype", "block_k", "block_h", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def sparse_decode_tpu(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, sinks_h: jax.Array, scale: float,
                       *, entries_len_b: jax.Array | None = None, idx_bk: jax.Array | None = None, out_dtype=None,
                       block_k: int = 128, block_h: int | None = None, interpret=False) -> jax.Array:
@@ -378,18 +389,42 @@ def sparse_decode_tpu(q_bhd: jax.Array, window, window_len_b: jax.Array, entries
     −1 or a row below T (a larger one reads row T−1).
     `interpret`: False on a TPU, or `pltpu.InterpretParams()` to run on CPU.
     """
-    b, h, d = q_bhd.shape
-    if q_bhd.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"sparse_decode_tpu: queries must be bfloat16 or float32, got {q_bhd.dtype}")
-    if entries is not None and (entries_len_b is None) == (idx_bk is None):
-        raise ValueError("sparse decode: give exactly one of entries_len_b (attend a prefix) and idx_bk (picks)")
+    b = q_bhd.shape[0]
+    return _attention(q_bhd, window, jnp.zeros((b,), jnp.int32), window_len_b, entries, sinks_h, scale, entries_len_b,
+                      idx_bk, 1, out_dtype, block_k, block_h, interpret, "sparse_decode_tpu")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def sparse_prefill_tpu(q_bchd: jax.Array, window, window_start_bc: jax.Array, window_end_bc: jax.Array, entries,
+                       sinks_h: jax.Array, scale: float, *, entries_len_bc: jax.Array | None = None,
+                       idx_bck: jax.Array | None = None, out_dtype=None, block_k: int = 128,
+                       block_h: int | None = None, interpret=False) -> jax.Array:
+    """`reference.sparse_prefill_reference` as a Pallas TPU kernel: the decode kernel's grid over every
+    (slot, query) row, each reading its slot's rows (`block_k`, `block_h`, `interpret` as
+    `sparse_decode_tpu`'s)."""
+    b, c, h, d = q_bchd.shape
+    flat = lambda x: None if x is None else x.reshape(b * c, *x.shape[2:])  # noqa: E731
+    out = _attention(flat(q_bchd), window, flat(window_start_bc), flat(window_end_bc), entries, sinks_h, scale,
+                     flat(entries_len_bc), flat(idx_bck), c, out_dtype, block_k, block_h, interpret,
+                     "sparse_prefill_tpu")
+    return out.reshape(b, c, h, d)
+
+
+def _attention(q_nhd, window, window_start_n, window_end_n, entries, sinks_h, scale, entries_len_n, idx_nk,
+               rows_per_slot: int, out_dtype, block_k: int, block_h: int | None, interpret, what: str) -> jax.Array:
+    """N query rows, row i reading slot i // rows_per_slot's window rows [start, end) and entries."""
+    n, h, d = q_nhd.shape
+    if q_nhd.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"{what}: queries must be bfloat16 or float32, got {q_nhd.dtype}")
+    if entries is not None and (entries_len_n is None) == (idx_nk is None):
+        raise ValueError(f"{what}: give exactly one of the entry counts (attend a prefix) and the picks")
     block_h = block_h or h
     if h % block_h or (block_h != h and block_h % 8):
-        raise ValueError(f"sparse_decode_tpu: heads ({h}) must be a multiple of block_h ({block_h}), "
+        raise ValueError(f"{what}: heads ({h}) must be a multiple of block_h ({block_h}), "
                          "itself a multiple of 8 unless it is all of them")
     if block_k < 1:
-        raise ValueError(f"sparse_decode_tpu: block_k must be positive, got {block_k}")
-    mode = "none" if entries is None else ("picks" if idx_bk is not None else "prefix")
+        raise ValueError(f"{what}: block_k must be positive, got {block_k}")
+    mode = "none" if entries is None else ("picks" if idx_nk is not None else "prefix")
 
     layout = layout_of(window, d, "window")
     window_arrays = layout.arrays(window)
@@ -399,29 +434,33 @@ def sparse_decode_tpu(q_bhd: jax.Array, window, window_len_b: jax.Array, entries
     if entries is not None:
         entry_layout = layout_of(entries, d, "entry")
         if entry_layout != layout:
-            raise ValueError(f"sparse_decode_tpu: window and entries must be stored alike, got {layout} and "
-                             f"{entry_layout}")
+            raise ValueError(f"{what}: window and entries must be stored alike, got {layout} and {entry_layout}")
         entry_arrays = layout.arrays(entries)
         n_entries = entry_arrays[0].shape[1]
         if mode == "prefix":
             block_e = _block_rows(n_entries, block_k, entry_arrays, "entry")
         else:
-            k = idx_bk.shape[1]
+            k = idx_nk.shape[1]
             block_e = block_k if k > block_k else -(-k // 8) * 8
             n_picks = -(-k // block_e) * block_e
-            idx_bk = jnp.pad(idx_bk.astype(jnp.int32), ((0, 0), (0, n_picks - k)), constant_values=-1)
+            idx_nk = jnp.pad(idx_nk.astype(jnp.int32), ((0, 0), (0, n_picks - k)), constant_values=-1)
 
-    cfg = _Config(layout, mode, float(scale), n_window, block_w, n_entries, block_e, n_picks)
-    out_dtype = jnp.dtype(out_dtype or q_bhd.dtype)
+    cfg = _Config(layout, mode, float(scale), n_window, block_w, n_entries, block_e, n_picks, rows_per_slot)
+    out_dtype = jnp.dtype(out_dtype or q_nhd.dtype)
     widths = layout.piece_widths
 
-    scalars = [window_len_b.astype(jnp.int32),
-               (entries_len_b if entries_len_b is not None else jnp.zeros((b,), jnp.int32)).astype(jnp.int32)]
+    scalars = [window_start_n.astype(jnp.int32), window_end_n.astype(jnp.int32),
+               (entries_len_n if entries_len_n is not None else jnp.zeros((n,), jnp.int32)).astype(jnp.int32)]
     if mode == "picks":
-        scalars.append(idx_bk.reshape(-1))  # flat: SMEM pads 2-D arrays
+        scalars.append(idx_nk.reshape(-1))  # flat: SMEM pads 2-D arrays
     per_head = lambda w: pl.BlockSpec((None, block_h, w), lambda i, j, *_: (i, j, 0))  # noqa: E731
-    per_slot = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda i, j, *_: (i,) + (0,) * (a.ndim - 1))  # noqa: E731
-    inputs = [*layout.split(q_bhd), sinks_h.astype(F32).reshape(h, 1), *window_arrays]
+    per_row = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda i, j, *_: (i,) + (0,) * (a.ndim - 1))  # noqa: E731
+
+    def per_slot(a):
+        return pl.BlockSpec((None, *a.shape[1:]),
+                            lambda i, j, *_: (_div(i, rows_per_slot),) + (0,) * (a.ndim - 1))
+
+    inputs = [*layout.split(q_nhd), sinks_h.astype(F32).reshape(h, 1), *window_arrays]
     in_specs = [*(per_head(w) for w in widths), pl.BlockSpec((block_h, 1), lambda i, j, *_: (j, 0)),
                 *(per_slot(a) for a in window_arrays)]
     scratch = [*(pltpu.VMEM((block_h, w), F32) for w in widths), pltpu.VMEM((block_h, 1), F32),
@@ -432,17 +471,17 @@ def sparse_decode_tpu(q_bhd: jax.Array, window, window_len_b: jax.Array, entries
         scratch += [pltpu.VMEM((2, block_e, a.shape[2]), a.dtype) for a in entry_arrays]
         scratch.append(pltpu.SemaphoreType.DMA((2,)))
     if mode == "picks":
-        picks = idx_bk.reshape(b, n_picks // block_e, block_e)
+        picks = idx_nk.reshape(n, n_picks // block_e, block_e)
         inputs.append(picks)
-        in_specs.append(per_slot(picks))
+        in_specs.append(per_row(picks))
 
     outs = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalars), grid=(b, h // block_h), in_specs=in_specs,
+            num_scalar_prefetch=len(scalars), grid=(n, h // block_h), in_specs=in_specs,
             out_specs=[per_head(w) for w in widths], scratch_shapes=scratch),
-        out_shape=[jax.ShapeDtypeStruct((b, h, w), out_dtype) for w in widths],
+        out_shape=[jax.ShapeDtypeStruct((n, h, w), out_dtype) for w in widths],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=interpret, name="dsjax_sparse_decode_tpu",
+        interpret=interpret, name="dsjax_sparse_decode_tpu" if rows_per_slot == 1 else "dsjax_sparse_prefill_tpu",
     )(*scalars, *inputs)
     return layout.merge(list(outs))
