@@ -144,9 +144,17 @@ def attention_case(cfg: ModelConfig, batch: int, context: int, kv_dtype: str, la
     return entries, make_set, batch * per_slot, batch * 4 * h * d * n_keys
 
 
+def model_tiling(cfg: ModelConfig, entries, one_set, **overrides) -> dict:
+    """The GPU tiling `op.sparse_decode` chooses for these inputs (with `overrides` of its defaults)."""
+    from dsjax.kernels.sparse_attention.op import gpu_tiling, keys_per_query
+
+    q, window, _, _, extra = one_set
+    return gpu_tiling(q.shape[0], cfg.num_attention_heads, keys_per_query(window, entries, extra.get("idx_bk")),
+                      **overrides)
+
+
 def bench_attention(args, cfg, bandwidth):
     from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
-    from dsjax.kernels.sparse_attention.op import gpu_tiling
     from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
 
     rows = []
@@ -156,10 +164,7 @@ def bench_attention(args, cfg, bandwidth):
             continue
         entries, make_set, n_bytes, flops = attention_case(cfg, batch, context, kv_dtype, layer)
 
-        t_rows = jax.tree.leaves(entries)[0].shape[1]
-        tiling = gpu_tiling(batch, cfg.num_attention_heads,
-                            cfg.sliding_window + (min(cfg.index_topk, t_rows) if layer == CSA else t_rows),
-                            **json.loads(args.tiling))
+        tiling = model_tiling(cfg, entries, make_set(0), **json.loads(args.tiling))
 
         def kernel(entries, q, window, wlen, sinks, extra):
             return sparse_decode_gpu(q, window, wlen, entries, sinks, scale, **extra, **tiling,
@@ -330,7 +335,6 @@ def run_variants(args, cfg, bandwidth):
     Attention variants start from the model's tiling (`gpu_tiling`) for their size."""
     from dsjax.kernels.indexer.gpu import index_scores_gpu
     from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
-    from dsjax.kernels.sparse_attention.op import gpu_tiling
 
     for text in args.variant:
         spec = json.loads(text)
@@ -340,10 +344,7 @@ def run_variants(args, cfg, bandwidth):
             entries, make_set, n_bytes, flops = attention_case(cfg, batch, context, kv, layer)
             q, window, wlen, sinks, extra = make_set(0)
             scale = cfg.head_dim ** -0.5
-            n_rows = jax.tree.leaves(entries)[0].shape[1]
-            # The model's tiling for this size, with the variant's changes.
-            tiling = {**gpu_tiling(batch, cfg.num_attention_heads, cfg.sliding_window + (
-                min(cfg.index_topk, n_rows) if layer == CSA else n_rows)), **spec}
+            tiling = {**model_tiling(cfg, entries, (q, window, wlen, sinks, extra)), **spec}
             fn = jax.jit(lambda e, q, w, n, s, x: sparse_decode_gpu(q, w, n, e, s, scale, **x, **tiling,
                                                                     interpret=args.interpret))
             inputs = (entries, q, window, wlen, sinks, extra)

@@ -27,7 +27,7 @@ def gpu_tiling(b: int, h: int, n_keys: int, *, block_h: int = 32, block_k: int =
     return dict(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages, num_splits=splits)
 
 
-def _keys_per_query(window, entries, picks: jax.Array | None) -> int:
+def keys_per_query(window, entries, picks: jax.Array | None) -> int:
     """About how many keys one query reads: the window rows plus its picks or every entry row."""
     n = jax.tree.leaves(window)[0].shape[1]
     if entries is not None:
@@ -42,7 +42,7 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
     args = (q_bhd, window, window_len_b, entries, sinks_h, scale)
     kw = dict(entries_len_b=entries_len_b, idx_bk=idx_bk)
     b, h, _ = q_bhd.shape
-    tiling = gpu_tiling(b, h, _keys_per_query(window, entries, idx_bk))
+    tiling = gpu_tiling(b, h, keys_per_query(window, entries, idx_bk))
     return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels,
                     gpu=lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret),
                     tpu=lambda: sparse_decode_tpu(*args, **kw))
@@ -55,7 +55,7 @@ def sparse_prefill(q_bchd: jax.Array, window, window_start_bc: jax.Array, window
     args = (q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale)
     kw = dict(entries_len_bc=entries_len_bc, idx_bck=idx_bck)
     b, c, h, _ = q_bchd.shape
-    tiling = gpu_tiling(b * c, h, _keys_per_query(window, entries, idx_bck))
+    tiling = gpu_tiling(b * c, h, keys_per_query(window, entries, idx_bck))
     return dispatch(functools.partial(sparse_prefill_reference, *args, **kw), kernels=kernels,
                     gpu=lambda interpret: sparse_prefill_gpu(*args, **kw, **tiling, interpret=interpret),
                     tpu=lambda: sparse_prefill_tpu(*args, **kw))
