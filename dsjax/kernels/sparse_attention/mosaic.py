@@ -1,0 +1,213 @@
+"""Attention of 64 query heads over gathered 512-wide bf16 key rows, as a Mosaic GPU (Hopper) kernel.
+
+The building block of a warp-specialised decode kernel (docs/kernels.md): it is not yet called by
+the model, which still runs the Triton kernel (`gpu.py`); what is missing before it can be is
+listed in docs/kernels.md. It is here, tested and measured, because it is the first of our kernels
+whose products run on wgmma: on the H200 it attends 64 slots × 640 gathered rows in 30.8 µs where the
+Triton kernel takes 50.4 µs on the same inputs (docs/benchmarks.md, 2026-11-30, second entry).
+
+Grid (slot, split); three warpgroups per program:
+- the memory warpgroup copies each picked row with its own bulk copy (Hopper has no row gather) into
+  an untiled staging buffer, then rewrites each 8-row group into the tiled, swizzled layout that
+  wgmma reads (the copies cannot land there directly: a one-row slice of a swizzled tile does not
+  lower);
+- two compute warpgroups each own 256 of the 512 output channels (a [64, 256] fp32 accumulator is
+  128 registers per thread). Each computes the scores over its half of the channels, the halves are
+  summed through shared memory, and both run the same online softmax on the sum.
+
+Numerics: scores, softmax and sums in fp32 (exp2 on scores pre-scaled by log2 e); probabilities are
+rounded to bf16 for P·V (wgmma takes both operands in one type), so outputs carry about 1e-3
+relative error against the fp32 reference. Each split returns its unnormalised output and its
+running max and mass (natural-log units, the sink's mass in split 0), merged by `gpu.merge_splits`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsjax.kernels.sparse_attention.gpu import merge_splits
+
+HEADS, WIDTH = 64, 512
+_HALF = WIDTH // 2
+_LOG2E = math.log2(math.e)
+# An [8, 512] group of staged rows in registers: each warp holds two rows, each lane 8 consecutive
+# columns of a 256-column half, so the untiled loads and the swizzled stores are 16-byte vectors.
+_ROWS_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((8, 256), (2, 256), (8,))), warp_dims=(-5,), lane_dims=(-2,),
+                                  vector_dim=-1)
+_SMEM_BYTES = 227 * 1024
+# Rows per block: the query, two staged and two tiled blocks and the score halves fill 210 KB of the
+# 227 KB of shared memory at 32 (64 would need 338 KB).
+_BLOCK_K = 32
+
+
+def _body(q_ref, table_ref, rows_ref, sinks_ref, acc_ref, ml_ref, q_smem, stage, tiled, exch, rows_smem,
+          q_bar, rows_bar, staged, ready, consumed, xbar, xread, *interp_p, scale, block_k, n_blocks):
+    slot_b, split = lax.axis_index("b"), lax.axis_index("s")
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[slot_b], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        plgpu.barrier_wait(rows_bar)
+        cols = pl.ds(wg * _HALF, _HALF)
+        # Every split starts its running max at the sink logit (finite, so a block with no valid row
+        # gives p = 0, never NaN); split 0 alone counts the sink's mass.
+        m_h = plgpu.load(sinks_ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) * _LOG2E
+        l_h = jnp.where(split == 0, 1.0, 0.0) * jnp.ones_like(m_h)
+        acc = plgpu.layout_cast(jnp.zeros((HEADS, _HALF), jnp.float32), plgpu.Layout.WGMMA)
+
+        def block(j, carry):
+            acc, m_h, l_h = carry
+            buf = lax.rem(j, 2)
+            plgpu.barrier_wait(ready.at[buf])
+            keys = tiled.at[buf]
+
+            def scores(r):
+                plgpu.wgmma(r, q_smem.at[:, cols], keys.at[:, cols].transpose((1, 0)))
+                return r[...]
+            s_part = pl.run_scoped(scores, plgpu.ACC((HEADS, block_k), jnp.float32))
+
+            @pl.when(j > 0)
+            def _():
+                plgpu.barrier_wait(xread)  # the other warpgroup has read the previous block's halves
+            exch[wg] = s_part
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(xbar)
+            plgpu.barrier_wait(xbar)
+            s_hk = exch[0] + exch[1]
+            plgpu.barrier_arrive(xread)
+            ids = plgpu.load(rows_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            valid = lax.broadcast_in_dim(ids >= 0, s_hk.shape, [1])
+            s_hk = jnp.where(valid, s_hk * (scale * _LOG2E), -jnp.inf)
+            m_new = jnp.maximum(m_h, s_hk.max(axis=1))
+            alpha = jnp.exp2(m_h - m_new)
+            p_hk = jnp.exp2(s_hk - lax.broadcast_in_dim(m_new, s_hk.shape, [0]))
+            l_h = l_h * alpha + p_hk.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if interp_p:  # the interpreter takes wgmma's A from SMEM only and cannot carry an accumulator
+                p_smem = interp_p[0].at[wg]
+                p_smem[...] = p_hk.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+
+                def pv(r):
+                    plgpu.wgmma(r, p_smem, keys.at[:, cols])
+                    return r[...]
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS, _HALF), jnp.float32))
+            else:
+                def pv(r):
+                    plgpu.wgmma(r, p_hk.astype(jnp.bfloat16), keys.at[:, cols])
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(consumed.at[buf])
+            return acc, m_new, l_h
+
+        acc, m_h, l_h = lax.fori_loop(0, n_blocks, block, (acc, m_h, l_h))
+        plgpu.barrier_wait(xread)  # the last block's, so that every completion is observed
+        acc_ref[slot_b, split, :, cols] = acc
+
+        @pl.when(wg == 0)
+        def _():
+            ml_ref[slot_b, split, 0] = m_h / _LOG2E
+            ml_ref[slot_b, split, 1] = l_h
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(rows_ref.at[slot_b, pl.ds(split * n_blocks, n_blocks)], rows_smem, rows_bar)
+        plgpu.barrier_wait(rows_bar)
+
+        def fetch(j):
+            buf = lax.rem(j, 2)
+            rows = [jnp.maximum(rows_smem[j, r], 0) for r in range(block_k)]  # read them all, then copy
+            for r in range(block_k):
+                plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(rows[r], 1)], stage.at[buf, pl.ds(r, 1)], staged.at[buf],
+                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+        fetch(0)
+
+        @pl.loop(0, n_blocks)
+        def _(j):
+            buf = lax.rem(j, 2)
+
+            @pl.when(j + 1 < n_blocks)
+            def _():
+                fetch(j + 1)
+            plgpu.barrier_wait(staged.at[buf])
+
+            @pl.when(j >= 2)
+            def _():
+                plgpu.barrier_wait(consumed.at[buf])
+            for g in range(block_k // 8):
+                tiled[buf, pl.ds(8 * g, 8)] = plgpu.load(stage.at[buf, pl.ds(8 * g, 8)], layout=_ROWS_LAYOUT)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ready.at[buf])
+
+        for j in range(max(n_blocks - 2, 0), n_blocks):  # observe the last consumptions
+            plgpu.barrier_wait(consumed.at[j % 2])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "out_dtype", "interpret"))
+def gathered_attention_mosaic(q_bhd: jax.Array, entries_btd: jax.Array, idx_bk: jax.Array, sinks_h: jax.Array,
+                              scale: float, *, num_splits: int = 2, out_dtype=None,
+                              interpret: bool = False) -> jax.Array:
+    """Slot b's 64 heads attend its entry rows `idx_bk[b]` (-1: no row) and the per-head sink:
+    `reference.sparse_decode_reference` with picks and an empty window, as a Mosaic GPU kernel.
+    `num_splits` programs per slot share its picks (runs of 32); `interpret` runs the kernel in
+    Mosaic GPU's interpreter (CPU)."""
+    b, h, d = q_bhd.shape
+    t, k = entries_btd.shape[1], idx_bk.shape[1]
+    if (h, d) != (HEADS, WIDTH) or entries_btd.shape[2] != WIDTH:
+        raise ValueError(f"gathered attention (Mosaic GPU): needs {HEADS} heads of width {WIDTH} and rows of "
+                         f"width {WIDTH}, got queries {q_bhd.shape} and entries {entries_btd.shape}")
+    if q_bhd.dtype != jnp.bfloat16 or entries_btd.dtype != jnp.bfloat16:
+        raise ValueError(f"gathered attention (Mosaic GPU): bf16 queries and rows only, got {q_bhd.dtype} "
+                         f"and {entries_btd.dtype}")
+    # Rows of the flattened table; a pick outside [0, T) is no row, as in the reference.
+    idx_bk = idx_bk.astype(jnp.int32)
+    rows_bk = jnp.where((idx_bk >= 0) & (idx_bk < t), idx_bk + t * jnp.arange(b, dtype=jnp.int32)[:, None], -1)
+    block_k = _BLOCK_K
+    n_blocks = -(-k // (block_k * num_splits))
+    pad = n_blocks * block_k * num_splits - k
+    rows = jnp.pad(rows_bk, ((0, 0), (0, pad)), constant_values=-1).reshape(b, num_splits * n_blocks, block_k)
+    tiling, swizzle = plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64)
+    scratch = [
+        plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=(tiling, swizzle)),     # q
+        plgpu.SMEM((2, block_k, WIDTH), jnp.bfloat16),                              # staged rows
+        plgpu.SMEM((2, block_k, WIDTH), jnp.bfloat16, transforms=(tiling, swizzle)),  # rows for wgmma
+        plgpu.SMEM((2, HEADS, block_k), jnp.float32),                               # score halves
+        plgpu.SMEM((n_blocks, block_k), jnp.int32),                                 # this split's rows
+        plgpu.Barrier(), plgpu.Barrier(),                                           # q, rows
+        plgpu.Barrier(num_arrivals=block_k, num_barriers=2),                        # staged
+        plgpu.Barrier(num_barriers=2),                                              # ready
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),                              # consumed
+        plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2),               # xbar, xread
+    ]
+    if interpret:
+        scratch.append(plgpu.SMEM((2, HEADS, block_k), jnp.bfloat16, transforms=(tiling, swizzle)))
+    used = 2 * (HEADS * WIDTH + 4 * block_k * WIDTH) + 4 * (2 * HEADS * block_k + n_blocks * block_k)
+    if not interpret and used > _SMEM_BYTES - 1024:
+        raise ValueError(f"gathered attention (Mosaic GPU): {n_blocks * block_k} rows per split need "
+                         f"{used} bytes of shared memory (of {_SMEM_BYTES}); raise num_splits")
+    def dsjax_gathered_attention(*refs):  # the kernel's name in profiles
+        _body(*refs, scale=scale, block_k=block_k, n_blocks=n_blocks)
+
+    kernel = plgpu.kernel(
+        dsjax_gathered_attention,
+        out_type=(jax.ShapeDtypeStruct((b, num_splits, HEADS, WIDTH), jnp.float32),
+                  jax.ShapeDtypeStruct((b, num_splits, 2, HEADS), jnp.float32)),
+        scratch_types=scratch, grid=(b, num_splits), grid_names=("b", "s"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    acc, ml = kernel(q_bhd, entries_btd.reshape(b * t, WIDTH), rows, sinks_h.astype(jnp.float32))
+    return merge_splits(acc, ml, out_dtype or q_bhd.dtype)
