@@ -3,7 +3,7 @@ being lowered for, chosen with `jax.lax.platform_dependent`, or the pure-JAX ref
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 
@@ -21,10 +21,16 @@ def _tiles(kernel: Callable[[], jax.Array] | None) -> Callable[[], jax.Array] | 
     return kernel
 
 
+def _first_that_tiles(kernels: Sequence[Callable[[], jax.Array]]) -> Callable[[], jax.Array] | None:
+    return next((k for k in map(_tiles, kernels) if k is not None), None)
+
+
 def dispatch(reference: Callable[[], jax.Array], *, kernels: str,
-             gpu: Callable[[bool], jax.Array] | None = None, tpu: Callable[[], jax.Array] | None = None) -> jax.Array:
+             gpu: Callable[[bool], jax.Array] | Sequence[Callable[[bool], jax.Array]] = (),
+             tpu: Callable[[], jax.Array] | None = None) -> jax.Array:
     """Run one operation. `kernels` is `ModelConfig.kernels`; `gpu(interpret)` and `tpu()` build the
-    kernels' results. "auto" lowers the CUDA kernel for cuda, the TPU kernel for tpu and the reference
+    kernels' results (`gpu` may list several GPU kernels, most specialised first: the first that
+    tiles the shapes runs). "auto" lowers the CUDA kernel for cuda, the TPU kernel for tpu and the reference
     for every other backend (CPU, ROCm, other plugins), and the reference wherever a kernel cannot
     tile the shapes or a mesh of several devices is in use; "reference" always uses the reference;
     "interpret" runs the GPU kernel interpreted on any backend."""
@@ -33,11 +39,11 @@ def dispatch(reference: Callable[[], jax.Array], *, kernels: str,
         # Under a mesh of several devices XLA partitions the reference; a Pallas call would need a
         # shard_map over the slots (not done yet: Mosaic calls cannot be partitioned automatically).
         return reference()
+    gpus = (gpu,) if callable(gpu) else tuple(gpu)
     if kernels == "interpret":
-        interpreted = _tiles(gpu and (lambda: gpu(True)))
-        return (interpreted or reference)()
-    branches = {name: fn for name, fn in (("cuda", _tiles(gpu and (lambda: gpu(False)))), ("tpu", _tiles(tpu)))
-                if fn is not None}
+        return (_first_that_tiles([lambda g=g: g(True) for g in gpus]) or reference)()
+    branches = {name: fn for name, fn in (("cuda", _first_that_tiles([lambda g=g: g(False) for g in gpus])),
+                                          ("tpu", _tiles(tpu))) if fn is not None}
     if not branches:
         return reference()
     return jax.lax.platform_dependent(**branches, default=reference)

@@ -12,12 +12,17 @@ from dsjax.engine.generate import generate
 from dsjax.engine.sampling import SamplingParams
 from dsjax.engine.steps import Engine
 from dsjax.model import DeepseekV4
+from dsjax.presets import PRESETS
 
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def model(kernels: str, dtype) -> DeepseekV4:
-    m = DeepseekV4(ModelConfig.preset("tiny-kernels").replace(kernels=kernels), rngs=nnx.Rngs(3), dtype=dtype)
+def model(kernels: str, dtype, wide: bool = False) -> DeepseekV4:
+    """The tiny-kernels preset; `wide`: with V4's 64 query heads of width 512, the shape the Mosaic GPU
+    attention kernel takes."""
+    hf = {**PRESETS["tiny-kernels"], **({"num_attention_heads": 64, "head_dim": 512, "partial_rotary_factor": 1 / 8}
+                                        if wide else {})}
+    m = DeepseekV4(ModelConfig.from_hf(hf).replace(kernels=kernels), rngs=nnx.Rngs(3), dtype=dtype)
     # Random sinks and compressor biases: the init's zeros would hide a sink or gate handled wrongly.
     for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param)):
         if path[-1] in ("sinks", "position_bias"):
@@ -60,9 +65,10 @@ def greedy_through_extend(m: DeepseekV4, prompts, steps: int, kv_dtype) -> tuple
     return tuple(np.stack([np.asarray(o[j]) for o in out], 1) for j in range(3))
 
 
-@pytest.mark.parametrize("kv_dtype,dtype", [(None, jnp.float32), ("fp8", jnp.bfloat16)] if ON_GPU else
-                         [("fp8", jnp.bfloat16)])
-def test_greedy_decode_with_kernels_gives_the_references_tokens(kv_dtype, dtype):
+@pytest.mark.parametrize("kv_dtype,dtype,wide", [(None, jnp.float32, False), ("fp8", jnp.bfloat16, False),
+                                                 (None, jnp.bfloat16, True)] if ON_GPU else
+                         [("fp8", jnp.bfloat16, False)])
+def test_greedy_decode_with_kernels_gives_the_references_tokens(kv_dtype, dtype, wide):
     steps = 64 if ON_GPU else 3
     kernels = "auto" if ON_GPU else "interpret"
     rng = np.random.default_rng(0)
@@ -71,12 +77,14 @@ def test_greedy_decode_with_kernels_gives_the_references_tokens(kv_dtype, dtype)
     sp = SamplingParams(temperature=0.0, max_tokens=steps, stop_token_ids=[], logprobs=3)
     out = {}
     for k in ("reference", kernels):
-        m = model(k, dtype)
+        m = model(k, dtype, wide)
         if k != "reference":  # decode runs both decode kernels, prefill the prefill kernel
             decode, prefill = step_jaxpr(m, kv_dtype, 1), step_jaxpr(m, kv_dtype, 16)
             for name, text in (("dsjax_sparse_decode", decode), ("dsjax_index_scores", decode),
                                ("dsjax_sparse_prefill", prefill)):
                 assert name in text, name
+            # bf16 rows and 64 heads of 512: CSA and sliding layers decode through the Mosaic kernel.
+            assert ("dsjax_sparse_decode_mosaic" in decode) == wide
         if ON_GPU:
             engine = Engine(m, num_slots=len(prompts), max_len=80 + steps, chunk_size=16, kv_dtype=kv_dtype)
             out[k] = [(r.tokens, np.asarray([lp.logprob for lp in r.logprobs]),

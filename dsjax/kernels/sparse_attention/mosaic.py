@@ -1,10 +1,8 @@
-"""Attention of 64 query heads over gathered 512-wide bf16 key rows, as a Mosaic GPU (Hopper) kernel.
-
-The building block of a warp-specialised decode kernel (docs/kernels.md): it is not yet called by
-the model, which still runs the Triton kernel (`gpu.py`); what is missing before it can be is
-listed in docs/kernels.md. It is here, tested and measured, because it is the first of our kernels
-whose products run on wgmma: on the H200 it attends 64 slots × 640 gathered rows in 30.8 µs where the
-Triton kernel takes 50.4 µs on the same inputs (docs/benchmarks.md, 2026-11-30, second entry).
+"""Sparse decode attention as a Mosaic GPU (Hopper, wgmma) kernel, for 64 bf16 query heads of width
+512 over bf16 window rows and CSA picks: the shape of V4's attention layers, where it replaces the
+Triton kernel (`gpu.py`; `op.sparse_decode` takes this one wherever it applies). On the H200 it
+attends 64 slots × 640 gathered rows in 30.8 µs where the Triton kernel takes 50.4 µs on the same
+inputs (docs/benchmarks.md, 2026-11-30, second entry).
 
 Grid (slot, split); three warpgroups per program:
 - the memory warpgroup copies each picked row with its own bulk copy (Hopper has no row gather) into
@@ -47,8 +45,8 @@ _SMEM_BYTES = 227 * 1024
 _BLOCK_K = 32
 
 
-def _body(q_ref, table_ref, rows_ref, sinks_ref, acc_ref, ml_ref, q_smem, stage, tiled, exch, rows_smem,
-          q_bar, rows_bar, staged, ready, consumed, xbar, xread, *interp_p, scale, block_k, n_blocks):
+def _body(q_ref, window_ref, entries_ref, rows_ref, sinks_ref, acc_ref, ml_ref, q_smem, stage, tiled, exch, rows_smem,
+          q_bar, rows_bar, staged, ready, consumed, xbar, xread, *interp_p, scale, block_k, n_blocks, n_window_blocks):
     slot_b, split = lax.axis_index("b"), lax.axis_index("s")
     wg = lax.axis_index("wg")
 
@@ -130,9 +128,13 @@ def _body(q_ref, table_ref, rows_ref, sinks_ref, acc_ref, ml_ref, q_smem, stage,
         def fetch(j):
             buf = lax.rem(j, 2)
             rows = [jnp.maximum(rows_smem[j, r], 0) for r in range(block_k)]  # read them all, then copy
-            for r in range(block_k):
-                plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(rows[r], 1)], stage.at[buf, pl.ds(r, 1)], staged.at[buf],
-                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+            in_window = split * n_blocks + j < n_window_blocks  # the slot's blocks: window rows, then entries
+            for table_ref, here in ((window_ref, in_window), (entries_ref, ~in_window)):
+                @pl.when(here)
+                def _():
+                    for r in range(block_k):
+                        plgpu.copy_gmem_to_smem(table_ref.at[pl.ds(rows[r], 1)], stage.at[buf, pl.ds(r, 1)],
+                                                staged.at[buf], oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
 
         fetch(0)
 
@@ -157,26 +159,58 @@ def _body(q_ref, table_ref, rows_ref, sinks_ref, acc_ref, ml_ref, q_smem, stage,
             plgpu.barrier_wait(consumed.at[j % 2])
 
 
+def _table(rows, name: str) -> jax.Array:
+    """The rows `[B, N, 512]` as one bf16 table `[B·N, 512]`; other storages are the Triton kernel's."""
+    if not isinstance(rows, jax.Array) or rows.dtype != jnp.bfloat16 or rows.ndim != 3 or rows.shape[2] != WIDTH:
+        raise ValueError(f"sparse attention (Mosaic GPU): {name} must be a bf16 array [B, N, {WIDTH}], got "
+                         f"{type(rows).__name__} {getattr(rows, 'dtype', '')} {getattr(rows, 'shape', '')}")
+    return rows.reshape(-1, WIDTH)
+
+
+def _hopper_or_later():
+    """Raise where the local GPU cannot run wgmma (the kernel lowers only for sm90 and later); lowering
+    without a GPU (`jax.export` on a CPU machine) targets Hopper."""
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    if gpus and float(getattr(gpus[0], "compute_capability", "9.0")) < 9.0:
+        raise ValueError(f"sparse attention (Mosaic GPU): needs a Hopper GPU (sm90) or later, got "
+                         f"{gpus[0].device_kind}")
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "out_dtype", "interpret"))
-def gathered_attention_mosaic(q_bhd: jax.Array, entries_btd: jax.Array, idx_bk: jax.Array, sinks_h: jax.Array,
-                              scale: float, *, num_splits: int = 2, out_dtype=None,
-                              interpret: bool = False) -> jax.Array:
-    """Slot b's 64 heads attend its entry rows `idx_bk[b]` (-1: no row) and the per-head sink:
-    `reference.sparse_decode_reference` with picks and an empty window, as a Mosaic GPU kernel.
-    `num_splits` programs per slot share its picks (runs of 32); `interpret` runs the kernel in
-    Mosaic GPU's interpreter (CPU)."""
+def sparse_decode_mosaic(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, sinks_h: jax.Array,
+                         scale: float, *, entries_len_b: jax.Array | None = None, idx_bk: jax.Array | None = None,
+                         out_dtype=None, num_splits: int = 2, interpret: bool = False) -> jax.Array:
+    """`reference.sparse_decode_reference` as a Mosaic GPU kernel, for what it covers: 64 bf16 query
+    heads of width 512, bf16 window and entry rows, CSA picks (-1: no row) or no entries. Entry
+    prefixes (HCA) are the Triton kernel's: this kernel reads a fixed number of rows per slot, and a
+    prefix is as long as the cache. Raises ValueError on anything else (`dispatch` then takes the
+    Triton kernel). `num_splits` programs per slot share its rows; `interpret` runs Mosaic GPU's
+    interpreter (CPU)."""
     b, h, d = q_bhd.shape
-    t, k = entries_btd.shape[1], idx_bk.shape[1]
-    if (h, d) != (HEADS, WIDTH) or entries_btd.shape[2] != WIDTH:
-        raise ValueError(f"gathered attention (Mosaic GPU): needs {HEADS} heads of width {WIDTH} and rows of "
-                         f"width {WIDTH}, got queries {q_bhd.shape} and entries {entries_btd.shape}")
-    if q_bhd.dtype != jnp.bfloat16 or entries_btd.dtype != jnp.bfloat16:
-        raise ValueError(f"gathered attention (Mosaic GPU): bf16 queries and rows only, got {q_bhd.dtype} "
-                         f"and {entries_btd.dtype}")
-    # Rows of the flattened table; a pick outside [0, T) is no row, as in the reference.
-    idx_bk = idx_bk.astype(jnp.int32)
-    rows_bk = jnp.where((idx_bk >= 0) & (idx_bk < t), idx_bk + t * jnp.arange(b, dtype=jnp.int32)[:, None], -1)
+    if (h, d) != (HEADS, WIDTH) or q_bhd.dtype != jnp.bfloat16:
+        raise ValueError(f"sparse attention (Mosaic GPU): needs {HEADS} bf16 query heads of width {WIDTH}, got "
+                         f"{q_bhd.dtype} {q_bhd.shape}")
+    if entries_len_b is not None:
+        raise ValueError("sparse attention (Mosaic GPU): entry prefixes (HCA) are not covered")
+    if entries is not None and idx_bk is None:
+        raise ValueError("sparse attention: give exactly one of the entry counts (attend a prefix) and the picks")
+    if not interpret:
+        _hopper_or_later()
     block_k = _BLOCK_K
+    window_nd = _table(window, "the window")
+    w = window.shape[1]
+    # Each slot's rows: its window ring rows [0, window_len), then its picks; -1 marks no row.
+    r_w = jnp.arange(-(-w // block_k) * block_k, dtype=jnp.int32)
+    slot = jnp.arange(b, dtype=jnp.int32)[:, None]
+    rows_bk = jnp.where((r_w < window_len_b[:, None]) & (r_w < w), slot * w + r_w, -1)
+    n_window_blocks = rows_bk.shape[1] // block_k
+    entries_nd = window_nd
+    if entries is not None:
+        entries_nd, t = _table(entries, "the entries"), entries.shape[1]
+        idx_bk = idx_bk.astype(jnp.int32)
+        picks = jnp.where((idx_bk >= 0) & (idx_bk < t), slot * t + idx_bk, -1)
+        rows_bk = jnp.concatenate([rows_bk, picks], axis=1)
+    k = rows_bk.shape[1]
     n_blocks = -(-k // (block_k * num_splits))
     pad = n_blocks * block_k * num_splits - k
     rows = jnp.pad(rows_bk, ((0, 0), (0, pad)), constant_values=-1).reshape(b, num_splits * n_blocks, block_k)
@@ -197,17 +231,18 @@ def gathered_attention_mosaic(q_bhd: jax.Array, entries_btd: jax.Array, idx_bk: 
         scratch.append(plgpu.SMEM((2, HEADS, block_k), jnp.bfloat16, transforms=(tiling, swizzle)))
     used = 2 * (HEADS * WIDTH + 4 * block_k * WIDTH) + 4 * (2 * HEADS * block_k + n_blocks * block_k)
     if not interpret and used > _SMEM_BYTES - 1024:
-        raise ValueError(f"gathered attention (Mosaic GPU): {n_blocks * block_k} rows per split need "
+        raise ValueError(f"sparse attention (Mosaic GPU): {n_blocks * block_k} rows per split need "
                          f"{used} bytes of shared memory (of {_SMEM_BYTES}); raise num_splits")
-    def dsjax_gathered_attention(*refs):  # the kernel's name in profiles
-        _body(*refs, scale=scale, block_k=block_k, n_blocks=n_blocks)
+
+    def dsjax_sparse_decode_mosaic(*refs):  # the kernel's name in profiles and lowered modules
+        _body(*refs, scale=scale, block_k=block_k, n_blocks=n_blocks, n_window_blocks=n_window_blocks)
 
     kernel = plgpu.kernel(
-        dsjax_gathered_attention,
+        dsjax_sparse_decode_mosaic,
         out_type=(jax.ShapeDtypeStruct((b, num_splits, HEADS, WIDTH), jnp.float32),
                   jax.ShapeDtypeStruct((b, num_splits, 2, HEADS), jnp.float32)),
         scratch_types=scratch, grid=(b, num_splits), grid_names=("b", "s"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    acc, ml = kernel(q_bhd, entries_btd.reshape(b * t, WIDTH), rows, sinks_h.astype(jnp.float32))
+    acc, ml = kernel(q_bhd, window_nd, entries_nd, rows, sinks_h.astype(jnp.float32))
     return merge_splits(acc, ml, out_dtype or q_bhd.dtype)

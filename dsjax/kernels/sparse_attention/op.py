@@ -9,6 +9,7 @@ import jax
 
 from dsjax.kernels.dispatch import dispatch
 from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu, sparse_prefill_gpu
+from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from dsjax.kernels.sparse_attention.tpu import sparse_decode_tpu, sparse_prefill_tpu
 
@@ -27,6 +28,12 @@ def gpu_tiling(b: int, h: int, n_keys: int, *, block_h: int = 32, block_k: int =
     return dict(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages, num_splits=splits)
 
 
+def mosaic_splits(b: int, n_keys: int) -> int:
+    """Programs per slot for the Mosaic GPU kernel: enough to cover the chip, at least two 32-row
+    blocks each (64 slots × 640 keys: 2, the fastest measured, `docs/benchmarks.md`)."""
+    return max(1, min(_GPU_CORES // b, n_keys // 64))
+
+
 def keys_per_query(window, entries, picks: jax.Array | None) -> int:
     """About how many keys one query reads: the window rows plus its picks or every entry row."""
     n = jax.tree.leaves(window)[0].shape[1]
@@ -42,9 +49,14 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
     args = (q_bhd, window, window_len_b, entries, sinks_h, scale)
     kw = dict(entries_len_b=entries_len_b, idx_bk=idx_bk)
     b, h, _ = q_bhd.shape
-    tiling = gpu_tiling(b, h, keys_per_query(window, entries, idx_bk))
+    n_keys = keys_per_query(window, entries, idx_bk)
+    tiling = gpu_tiling(b, h, n_keys)
+    # The Mosaic GPU kernel where it applies (64 bf16 heads of width 512, bf16 rows, CSA picks or no
+    # entries), else the Triton one.
     return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels,
-                    gpu=lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret),
+                    gpu=(lambda interpret: sparse_decode_mosaic(*args, **kw, num_splits=mosaic_splits(b, n_keys),
+                                                                interpret=interpret),
+                         lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret)),
                     tpu=lambda: sparse_decode_tpu(*args, **kw))
 
 

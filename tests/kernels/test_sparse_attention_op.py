@@ -1,0 +1,56 @@
+"""Which kernel `sparse_attention.op.sparse_decode` lowers for cuda: the Mosaic GPU kernel where it
+applies, the Triton kernel elsewhere; and the interpreted Mosaic kernel through the op."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dsjax.export import abstract_device, disabled_checks
+from dsjax.kernels.dispatch import dispatch
+from dsjax.kernels.sparse_attention.op import mosaic_splits, sparse_decode
+from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+from dsjax.quant import pack_kv
+from tests.kernels.test_mosaic_attention import inputs
+
+
+def cuda_module(args, kw) -> str:
+    """The op lowered for an H200 (as `dsjax export` lowers: an abstract device, none needed here)."""
+    fn = jax.jit(lambda q, w, n, e, s: sparse_decode(q, w, n, e, s, 512 ** -0.5, **kw))
+    h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
+    with jax.sharding.use_abstract_mesh(h200):
+        return jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(*args[:5]).mlir_module()
+
+
+@pytest.mark.parametrize("change,mosaic", [
+    (lambda a, kw: (a, kw), True),                                                       # CSA, bf16
+    (lambda a, kw: (a[:3] + (None,) + a[4:], {}), True),                                 # sliding window
+    (lambda a, kw: ((a[0], pack_kv(a[1], "fp8", 64), a[2], pack_kv(a[3], "fp8", 64)) + a[4:], kw), False),  # fp8
+    (lambda a, kw: (a, {"entries_len_b": jnp.ones((2,), jnp.int32)}), False),            # HCA prefix
+    (lambda a, kw: ((a[0].astype(jnp.float32),) + a[1:], kw), False),                    # fp32 queries
+])
+def test_cuda_lowering_takes_the_mosaic_kernel_where_it_applies(change, mosaic):
+    text = cuda_module(*change(*inputs(0, 2, 48, 300, 100)))
+    assert ("dsjax_sparse_decode_mosaic" in text) == mosaic
+    assert ('name = "dsjax_sparse_decode"' in text) != mosaic  # else the Triton kernel
+
+
+def test_interpreted_op_runs_the_mosaic_kernel():
+    args, kw = inputs(1, 2, 48, 300, 100)
+    want = sparse_decode_reference(*args, **kw)
+    got = sparse_decode(*args, **kw, kernels="interpret")
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))) / jnp.max(jnp.abs(want)))
+    assert err < 1e-2, err  # both rounded to bf16
+
+
+def test_dispatch_takes_the_first_gpu_kernel_that_tiles():
+    def refuses(interpret):
+        raise ValueError("cannot tile")
+    got = dispatch(lambda: jnp.zeros(2), kernels="interpret", gpu=(refuses, lambda interpret: jnp.ones(2)))
+    assert float(got.sum()) == 2.0
+    assert float(dispatch(lambda: jnp.zeros(2), kernels="interpret", gpu=(refuses,)).sum()) == 0.0
+
+
+def test_mosaic_splits_cover_the_chip():
+    assert mosaic_splits(64, 640) == 2
+    assert mosaic_splits(1, 640) == 10
+    assert mosaic_splits(256, 640) == 1
