@@ -332,9 +332,12 @@ def bench_export(args, cfg, bandwidth):
 def run_variants(args, cfg, bandwidth):
     """Run each `--variant` kernel twice (compile, then the measured launch) and print `VARIANT …` after it,
     for a profiler to time: `ncu --metrics gpu__time_duration.sum --csv … variants …`, then `ncu`.
-    Attention variants start from the model's tiling (`gpu_tiling`) for their size."""
+    Attention variants start from the model's tiling (`gpu_tiling`) for their size; `"kernel": "mosaic"`
+    runs the Mosaic GPU kernel instead (bf16 cache), with the op's `num_splits` unless given."""
     from dsjax.kernels.indexer.gpu import index_scores_gpu
     from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
+    from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic
+    from dsjax.kernels.sparse_attention.op import keys_per_query, mosaic_splits
 
     for text in args.variant:
         spec = json.loads(text)
@@ -344,9 +347,16 @@ def run_variants(args, cfg, bandwidth):
             entries, make_set, n_bytes, flops = attention_case(cfg, batch, context, kv, layer)
             q, window, wlen, sinks, extra = make_set(0)
             scale = cfg.head_dim ** -0.5
-            tiling = {**model_tiling(cfg, entries, (q, window, wlen, sinks, extra)), **spec}
-            fn = jax.jit(lambda e, q, w, n, s, x: sparse_decode_gpu(q, w, n, e, s, scale, **x, **tiling,
-                                                                    interpret=args.interpret))
+            if spec.pop("kernel", "triton") == "mosaic":  # the Mosaic GPU kernel, with the op's splits
+                splits = spec.pop("num_splits", mosaic_splits(batch, keys_per_query(window, entries,
+                                                                                   extra.get("idx_bk"))))
+                fn = jax.jit(lambda e, q, w, n, s, x: sparse_decode_mosaic(q, w, n, e, s, scale, **x, **spec,
+                                                                           num_splits=splits,
+                                                                           interpret=args.interpret))
+            else:
+                tiling = {**model_tiling(cfg, entries, (q, window, wlen, sinks, extra)), **spec}
+                fn = jax.jit(lambda e, q, w, n, s, x: sparse_decode_gpu(q, w, n, e, s, scale, **x, **tiling,
+                                                                        interpret=args.interpret))
             inputs = (entries, q, window, wlen, sinks, extra)
         else:
             keys, make_set, n_bytes, flops = indexer_case(cfg, batch, context, kv)

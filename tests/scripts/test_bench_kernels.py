@@ -23,21 +23,24 @@ def ncu_row(i, value, unit):
 
 def test_variants_then_ncu_give_each_kernels_own_time(tmp_path, capsys):
     variants = ['{"op": "attention", "kv": "fp8", "batch": 1, "context": 2048, "block_k": 32}',
-                '{"op": "indexer", "kv": "fp8", "batch": 1, "context": 2048, "tiles": 2}']
+                '{"op": "indexer", "kv": "fp8", "batch": 1, "context": 2048, "tiles": 2}',
+                '{"op": "attention", "kv": "bfloat16", "batch": 1, "context": 512, "kernel": "mosaic"}']
     assert bench.main(["variants", "--interpret", "--copy-tbps", "4", "--variant", *variants]) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("VARIANT ")]
     assert [json.loads(line[8:])["variant"] for line in printed] == [json.loads(v) for v in variants]
     # ncu prints its CSV after the program's own output; the first launch of each variant compiles.
     log = tmp_path / "ncu.log"
     log.write_text("\n".join(printed + [HEADER, ncu_row(0, "99,000", "ns"), ncu_row(1, "50,000", "ns"),
-                                        ncu_row(2, "1.5", "ms"), ncu_row(3, "20", "us")]) + "\n")
+                                        ncu_row(2, "1.5", "ms"), ncu_row(3, "20", "us"), ncu_row(4, "9", "us"),
+                                        ncu_row(5, "8", "us")]) + "\n")
     out = tmp_path / "rows.jsonl"
     bench.main(["ncu", "--ncu-log", str(log), "--copy-tbps", "4", "--json", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["kernel_us"] for r in rows] == pytest.approx([50.0, 20.0])
+    assert [r["kernel_us"] for r in rows] == pytest.approx([50.0, 20.0, 8.0])
     first = json.loads(printed[0][8:])
     assert rows[0]["of_copy"] == pytest.approx(first["bytes"] / 50e-6 / 4e12)
     assert rows[0]["block_k"] == 32 and rows[1]["op"] == "indexer" and rows[1]["tiles"] == 2
+    assert rows[2]["kernel"] == "mosaic"
 
 
 def test_ncu_refuses_a_log_whose_launches_do_not_pair_with_the_variants(tmp_path):
