@@ -85,3 +85,12 @@ def test_rejects_too_many_rows_per_split():
     args, kw = inputs(0, 1, 128, 8192, 6400, hole=0.0)
     with pytest.raises(ValueError, match="raise num_splits"):
         sparse_decode_mosaic(*args, **kw, num_splits=1)
+
+
+def test_leaves_gpus_without_wgmma_to_triton(monkeypatch):
+    class Ampere:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
+    monkeypatch.setattr(jax, "local_devices", lambda: [Ampere()])
+    args, kw = inputs(0, 3, 24, 300, 100)  # shapes no other test traces: the check runs when tracing
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        sparse_decode_mosaic(*args, **kw)

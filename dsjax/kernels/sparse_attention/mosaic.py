@@ -167,13 +167,12 @@ def _table(rows, name: str) -> jax.Array:
     return rows.reshape(-1, WIDTH)
 
 
-def _hopper_or_later():
-    """Raise where the local GPU cannot run wgmma (the kernel lowers only for sm90 and later); lowering
-    without a GPU (`jax.export` on a CPU machine) targets Hopper."""
+def _on_hopper():
+    """Raise where the local GPU is not a Hopper (sm90): wgmma exists only there (Blackwell has
+    tcgen05 instead). Lowering without a GPU (`jax.export` on a CPU machine) targets Hopper."""
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-    if gpus and float(getattr(gpus[0], "compute_capability", "9.0")) < 9.0:
-        raise ValueError(f"sparse attention (Mosaic GPU): needs a Hopper GPU (sm90) or later, got "
-                         f"{gpus[0].device_kind}")
+    if gpus and not str(getattr(gpus[0], "compute_capability", "9.0")).startswith("9."):
+        raise ValueError(f"sparse attention (Mosaic GPU): needs a Hopper GPU (sm90), got {gpus[0].device_kind}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "out_dtype", "interpret"))
@@ -195,7 +194,7 @@ def sparse_decode_mosaic(q_bhd: jax.Array, window, window_len_b: jax.Array, entr
     if entries is not None and idx_bk is None:
         raise ValueError("sparse attention: give exactly one of the entry counts (attend a prefix) and the picks")
     if not interpret:
-        _hopper_or_later()
+        _on_hopper()
     block_k = _BLOCK_K
     window_nd = _table(window, "the window")
     w = window.shape[1]
