@@ -104,3 +104,9 @@ def release(tmp_path_factory):
     (folder / "tokenizer_config.json").write_text('{"note": "travels with the weights"}')
     return folder
 
+
+
+def pytest_collection_modifyitems(items):
+    """Heavy tests first (a stable sort, so the rest keep their order): with two xdist workers, a
+    two-minute test drawn last would leave one worker idle while the other finishes it."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

@@ -15,6 +15,7 @@ from dsjax.quant import PackedKV, pack_kv, ue8m0_to_float
 from tests.helpers import assert_close
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", ["mixed", "legacy"])
 def test_chunked_prefill_equals_one_shot_and_no_cache(load_case, case):
     model = load_case(case)
@@ -105,6 +106,7 @@ def test_quantized_cache_stores_exactly_the_packed_rows(kv_dtype):
     np.testing.assert_array_equal(np.asarray(got.compressor.buffer_kv), np.asarray(ref.compressor.buffer_kv))
 
 
+@pytest.mark.heavy
 def test_quantized_cache_is_close_to_the_float_cache_and_stays_compiled(load_case):
     """Teacher-forced through prefill + decode steps: fp8 rows move the next-token distribution a little,
     fp4 rows more, bf16 rows least; none of them recompiles per step."""

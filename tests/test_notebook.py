@@ -13,6 +13,7 @@ plt = pytest.importorskip("matplotlib.pyplot")
 NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "notebooks", "quickstart.ipynb")
 
 
+@pytest.mark.heavy
 def test_quickstart_executes_and_draws_four_real_figures(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",

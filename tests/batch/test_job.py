@@ -202,6 +202,7 @@ def _run_until(cmd, env, out, n_records, sig):
     return rc
 
 
+@pytest.mark.heavy
 def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp_path, tiny_model_dir):
     # Enough work after the first records that the signals land mid-job even on a fast machine.
     items = [chat(f"r{i}", [{"role": "user", "content": f"Tell me {i}"}], max_tokens=12 + i % 4, seed=i,
@@ -231,6 +232,7 @@ def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp
     assert summary["requests_already_done"] == partial and summary["repaired_torn_bytes"] > 0
 
 
+@pytest.mark.heavy
 def test_fp8_checkpoint_with_quantized_cache_through_the_cli(tmp_path, tiny_fp8_model_dir, capsys):
     """`--weights keep` (FP8/FP4 on the device) and `--weights bf16` (dequantized at load) give the same
     greedy text on an FP8 checkpoint; `--kv-dtype` changes only the cache's storage."""

@@ -59,6 +59,7 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(load_case, engine_for)
     assert job(5) == job(5) != job(6)
 
 
+@pytest.mark.heavy
 def test_hundred_prompts_refill_slots_with_fixed_compilations(load_case):
     model = load_case("mixed")
     rng = np.random.default_rng(11)

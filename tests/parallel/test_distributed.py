@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import dsjax
 from dsjax import SamplingParams, generate
@@ -18,6 +19,7 @@ IDS = [[5, 17, 300, 2, 41, 99, 7, 260, 3, 11, 480], [1, 2, 3, 4, 5, 6, 7, 8, 9, 
 PROMPTS = [[5, 17, 300, 2], [7, 9], [11, 12, 13], [1]]
 
 
+@pytest.mark.heavy
 def test_two_processes_agree_with_one(release, tmp_path):
     checkpoint = tmp_path / "orbax"
     convert(release, checkpoint, ep=4, progress=False)

@@ -69,6 +69,7 @@ def _generate(checkpoint, inp, out, *extra):
             *JOB, *extra]
 
 
+@pytest.mark.heavy
 def test_two_processes_write_what_one_does_and_resume(checkpoint, tmp_path, monkeypatch):
     for var in _DIST_ENV:
         monkeypatch.delenv(var, raising=False)
