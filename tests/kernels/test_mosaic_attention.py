@@ -81,6 +81,20 @@ def test_leaves_what_it_does_not_cover_with_a_clear_error(change, message):
         sparse_decode_mosaic(*args, **kw, interpret=True)
 
 
+def test_native_gather_lowers_and_the_interpreter_refuses_it():
+    """cp.async pieces land straight in the tiles natively (the default off the interpreter); the
+    interpreter runs the bulk-copy gather and refuses the other by name."""
+    args, kw = inputs(0, 2, 48, 300, 100)
+    for gather in ("cp_async", None, "bulk"):
+        text = jax.jit(lambda *a: sparse_decode_mosaic(*a, 512 ** -0.5, idx_bk=kw["idx_bk"], gather=gather)).trace(
+            *args[:5]).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("nvvm.cp.async.shared.global" in text) == (gather != "bulk"), gather
+    with pytest.raises(ValueError, match="gather must be 'cp_async'"):
+        sparse_decode_mosaic(*args, **kw, gather="cp_async", interpret=True)
+    with pytest.raises(ValueError, match="gather must be"):
+        sparse_decode_mosaic(*args, **kw, gather="tma")
+
+
 def test_rejects_too_many_rows_per_split():
     args, kw = inputs(0, 1, 128, 8192, 6400, hole=0.0)
     with pytest.raises(ValueError, match="raise num_splits"):
