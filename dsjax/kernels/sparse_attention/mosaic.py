@@ -1,8 +1,8 @@
 """Sparse decode attention as a Mosaic GPU (Hopper, wgmma) kernel, for 64 bf16 query heads of width
 512 over bf16 window rows and CSA picks: the shape of V4's attention layers, where it replaces the
 Triton kernel (`gpu.py`; `op.sparse_decode` takes this one wherever it applies). On the H200 it
-attends a batch of 64 at 128K context in 27.5 µs where the Triton kernel takes 50.8 µs
-(docs/benchmarks.md, 2026-11-30, third entry).
+attends a batch of 64 at 128K context in 24.5 µs where the Triton kernel takes 50.8 µs
+(docs/benchmarks.md, 2026-11-30, third session).
 
 Grid (slot, split); three warpgroups per program:
 - the memory warpgroup gathers each block of 32 rows (Hopper has no row-gather copy). Natively
