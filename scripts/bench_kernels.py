@@ -154,7 +154,10 @@ def model_tiling(cfg: ModelConfig, entries, one_set, **overrides) -> dict:
 
 
 def bench_attention(args, cfg, bandwidth):
+    """Decode attention as the model runs it (`--path op`) or the Triton kernel alone (`--path triton`),
+    against the XLA reference, host-timed."""
     from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
+    from dsjax.kernels.sparse_attention.op import sparse_decode
     from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
 
     rows = []
@@ -167,6 +170,9 @@ def bench_attention(args, cfg, bandwidth):
         tiling = model_tiling(cfg, entries, make_set(0), **json.loads(args.tiling))
 
         def kernel(entries, q, window, wlen, sinks, extra):
+            if args.path == "op":  # what the model runs: the Mosaic kernel where it applies, else Triton
+                return sparse_decode(q, window, wlen, entries, sinks, scale, **extra,
+                                     kernels="interpret" if args.interpret else "auto")
             return sparse_decode_gpu(q, window, wlen, entries, sinks, scale, **extra, **tiling,
                                      interpret=args.interpret)
 
@@ -179,9 +185,11 @@ def bench_attention(args, cfg, bandwidth):
         rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         t_kernel = timed(kernel, make_set, (entries,))
         t_ref = timed(reference, make_set, (entries,)) if not args.no_reference else float("nan")
-        emit(args, rows, {"op": "attention", "layer": "CSA" if layer == CSA else "HCA", "batch": batch,
+        emit(args, rows, {"op": "attention", "path": args.path, "layer": "CSA" if layer == CSA else "HCA",
+                          "batch": batch,
                           "context": context, "kv": kv_dtype, "kernel_us": t_kernel * 1e6,
-                          "reference_us": t_ref * 1e6, "speedup": t_ref / t_kernel, "splits": tiling["num_splits"],
+                          "reference_us": t_ref * 1e6, "speedup": t_ref / t_kernel,
+                          **({"splits": tiling["num_splits"]} if args.path == "triton" else {}),
                           "MB": n_bytes / 1e6, "GBps": n_bytes / t_kernel / 1e9,
                           "of_copy": n_bytes / t_kernel / bandwidth, "TFLOPs": flops / t_kernel / 1e12,
                           "rel_err": rel}, bandwidth)
@@ -418,6 +426,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64 * 1048576, help="skip sizes of more batch × context")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--tiling", default="{}", help="attention: JSON overrides of gpu_tiling's defaults")
+    p.add_argument("--path", default="op", choices=("op", "triton"),
+                   help="attention: the operation as the model runs it, or the Triton kernel alone")
     p.add_argument("--extra", nargs="+", default=["{}"], help="tune, indexer: JSON dicts of further kernel options")
     p.add_argument("--interpret", action="store_true", help="run the kernels interpreted (a CPU smoke test)")
     p.add_argument("--json", help="append the rows here")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic
+from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic, sparse_decode_mosaic_packed
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
 from dsjax.quant import pack_kv
 
@@ -51,6 +51,27 @@ def test_kernel_matches_reference(seed, case):
     assert err < 2e-3, err
     if entries:  # the first slot sees no window row, the last no pick: both still attend the others
         assert float(jnp.max(jnp.abs(got[-1]))) > 0
+
+
+@pytest.mark.parametrize("window_fmt,entries_fmt", [("fp8", "fp8"), ("fp4", "fp4"), (None, "fp8"), ("fp8", None)])
+def test_packed_rows_are_unpacked_for_the_kernel(window_fmt, entries_fmt):
+    """Either table or both packed (bf16 rows of the other pass through); within the kernel's bound."""
+    args, kw = inputs(3, 2, 48, 300, 100)
+    pack = lambda rows, fmt: pack_kv(rows, fmt, 64) if fmt else rows
+    args = (args[0], pack(args[1], window_fmt), args[2], pack(args[3], entries_fmt)) + args[4:]
+    want = sparse_decode_reference(*args, **kw, out_dtype=jnp.float32)
+    got = sparse_decode_mosaic_packed(*args, **kw, out_dtype=jnp.float32, interpret=not ON_GPU)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err < 2e-3, err
+
+
+def test_packed_path_leaves_bf16_rows_and_prefixes():
+    args, kw = inputs(0, 2, 48, 300, 100)
+    with pytest.raises(ValueError, match="no packed rows"):
+        sparse_decode_mosaic_packed(*args, **kw, interpret=True)
+    packed = (args[0], args[1], args[2], pack_kv(args[3], "fp8", 64)) + args[4:]
+    with pytest.raises(ValueError, match="prefixes"):
+        sparse_decode_mosaic_packed(*packed, entries_len_b=jnp.ones((2,), jnp.int32), interpret=True)
 
 
 def test_a_slot_that_sees_nothing_attends_its_sink_alone():

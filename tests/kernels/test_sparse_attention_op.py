@@ -1,5 +1,6 @@
 """Which kernel `sparse_attention.op.sparse_decode` lowers for cuda: the Mosaic GPU kernel where it
-applies, the Triton kernel elsewhere; and the interpreted Mosaic kernel through the op."""
+applies (fp8/fp4 rows unpacked by XLA first), the Triton kernel elsewhere; and the interpreted Mosaic
+kernel through the op."""
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,10 @@ def cuda_module(args, kw) -> str:
 @pytest.mark.parametrize("change,mosaic", [
     (lambda a, kw: (a, kw), True),                                                       # CSA, bf16
     (lambda a, kw: (a[:3] + (None,) + a[4:], {}), True),                                 # sliding window
-    (lambda a, kw: ((a[0], pack_kv(a[1], "fp8", 64), a[2], pack_kv(a[3], "fp8", 64)) + a[4:], kw), False),  # fp8
+    (lambda a, kw: ((a[0], pack_kv(a[1], "fp8", 64), a[2], pack_kv(a[3], "fp8", 64)) + a[4:], kw), True),  # fp8
+    (lambda a, kw: ((a[0], pack_kv(a[1], "fp4", 64), a[2], pack_kv(a[3], "fp4", 64)) + a[4:], kw), True),  # fp4
+    (lambda a, kw: ((a[0], pack_kv(a[1], "fp8", 64), a[2], pack_kv(a[3], "fp8", 64)) + a[4:],
+                    {"entries_len_b": jnp.ones((2,), jnp.int32)}), False),               # fp8 HCA prefix
     (lambda a, kw: (a, {"entries_len_b": jnp.ones((2,), jnp.int32)}), False),            # HCA prefix
     (lambda a, kw: ((a[0].astype(jnp.float32),) + a[1:], kw), False),                    # fp32 queries
 ])

@@ -9,7 +9,7 @@ import jax
 
 from dsjax.kernels.dispatch import dispatch
 from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu, sparse_prefill_gpu
-from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic
+from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic, sparse_decode_mosaic_packed
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from dsjax.kernels.sparse_attention.tpu import sparse_decode_tpu, sparse_prefill_tpu
 
@@ -51,11 +51,13 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
     b, h, _ = q_bhd.shape
     n_keys = keys_per_query(window, entries, idx_bk)
     tiling = gpu_tiling(b, h, n_keys)
-    # The Mosaic GPU kernel where it applies (64 bf16 heads of width 512, bf16 rows, CSA picks or no
-    # entries), else the Triton one.
+    # The Mosaic GPU kernel where it applies (64 bf16 heads of width 512, CSA picks or no entries; fp8
+    # and fp4 rows unpacked by XLA first), else the Triton one.
+    splits = mosaic_splits(b, n_keys)
     return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels,
-                    gpu=(lambda interpret: sparse_decode_mosaic(*args, **kw, num_splits=mosaic_splits(b, n_keys),
-                                                                interpret=interpret),
+                    gpu=(lambda interpret: sparse_decode_mosaic(*args, **kw, num_splits=splits, interpret=interpret),
+                         lambda interpret: sparse_decode_mosaic_packed(*args, **kw, num_splits=splits,
+                                                                       interpret=interpret),
                          lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret)),
                     tpu=lambda: sparse_decode_tpu(*args, **kw))
 
