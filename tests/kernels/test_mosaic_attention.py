@@ -65,6 +65,15 @@ def test_packed_rows_are_unpacked_for_the_kernel(window_fmt, entries_fmt):
     assert err < 2e-3, err
 
 
+def test_packed_picks_past_the_entries_pick_nothing_as_the_kernel_reads_them():
+    args, kw = inputs(4, 2, 48, 300, 100, hole=0.0)
+    args = args[:3] + (pack_kv(args[3], "fp8", 64),) + args[4:]
+    past, none = (kw["idx_bk"].at[0, :10].set(v) for v in (300, -1))
+    got, want = (sparse_decode_mosaic_packed(*args, idx_bk=i, out_dtype=jnp.float32, interpret=True)
+                 for i in (past, none))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_packed_path_leaves_bf16_rows_and_prefixes():
     args, kw = inputs(0, 2, 48, 300, 100)
     with pytest.raises(ValueError, match="no packed rows"):

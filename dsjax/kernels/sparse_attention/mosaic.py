@@ -389,7 +389,8 @@ def sparse_decode_mosaic_packed(q_bhd: jax.Array, window, window_len_b: jax.Arra
         raise ValueError("sparse attention (Mosaic GPU): entry prefixes (HCA) are not covered")
     unpack = lambda rows: unpack_kv(rows, jnp.bfloat16) if isinstance(rows, PackedKV) else rows
     if entries is not None:
-        entries = unpack(gather_rows(entries, idx_bk))
-        idx_bk = jnp.where(idx_bk >= 0, jnp.arange(idx_bk.shape[1], dtype=jnp.int32), -1)
+        valid = (idx_bk >= 0) & (idx_bk < jax.tree.leaves(entries)[0].shape[1])  # as the kernel reads picks
+        entries = unpack(gather_rows(entries, jnp.where(valid, idx_bk, 0)))
+        idx_bk = jnp.where(valid, jnp.arange(idx_bk.shape[1], dtype=jnp.int32), -1)
     return sparse_decode_mosaic(q_bhd, unpack(window), window_len_b, entries, sinks_h, scale, idx_bk=idx_bk,
                                 out_dtype=out_dtype, num_splits=num_splits, interpret=interpret)
