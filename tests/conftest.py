@@ -105,7 +105,6 @@ def release(tmp_path_factory):
     return folder
 
 
-
 def pytest_collection_modifyitems(items):
     """Heavy tests first (a stable sort, so the rest keep their order): with two xdist workers, a
     two-minute test drawn last would leave one worker idle while the other finishes it."""
