@@ -42,6 +42,54 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.bench import DeviceRates, bench, bench_config, format_report, measure_rates, random_model
+
+    if args.model and args.layers:
+        raise ValueError("--layers cuts a preset built with random weights; a --model folder runs whole")
+    bad = [f"{flag} {v}" for flag, vs in (("--batch", args.batch), ("--prompt-len", [args.prompt_len]),
+                                          ("--chunk-size", [args.chunk_size])) for v in vs if v < 1]
+    if bad or args.gen_len < 2:
+        raise ValueError(f"must be positive (and --gen-len at least 2): {', '.join(bad) or f'--gen-len {args.gen_len}'}")
+    if (args.copy_tbps is None) != (args.matmul_tflops is None):
+        raise ValueError("give both --copy-tbps and --matmul-tflops, or neither (then both are measured)")
+    if not jax.config.jax_compilation_cache_dir:
+        # The per-part split compiles the decode step once more to read its kernels' names; with a
+        # persistent cache that second compile is a lookup.
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="dsjax-bench-xla-"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if args.model:
+        from dsjax.checkpoint.load import load_model
+
+        model = load_model(args.model, jnp.bfloat16, weights="keep" if args.weights == "fp8" else "bf16")
+        name = args.model
+    else:
+        model = random_model(bench_config(args.preset, args.layers, args.weights), args.seed)
+        name = args.preset
+    rates = (DeviceRates(args.copy_tbps * 1e12, args.matmul_tflops * 1e12) if args.copy_tbps
+             else measure_rates())
+    print(f"{name}: {model.cfg.num_hidden_layers} layers, {args.weights} weights on {jax.devices()[0].device_kind} "
+          f"(copy {rates.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {rates.matmul_flops_per_s / 1e12:.0f} "
+          f"TFLOP/s)", flush=True)
+
+    def emit(row):
+        row = {"model": name, **row}
+        print(format_report(row), flush=True)
+        if args.json:  # appended at once, so that a run cut short keeps its rows
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    bench(model, args.batch, args.prompt_len, args.gen_len, kv_dtype=args.kv_dtype, chunk_size=args.chunk_size,
+          breakdown=not args.no_breakdown, rates=rates, seed=args.seed, trace_dir=args.trace_dir, emit=emit)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     if args.demo and distributed.spec_from(args) is not None:
         raise ValueError("--demo runs on one process: drop --coordinator, --num-processes, --process-id and "
@@ -251,6 +299,29 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip compiling at other slot counts to find the largest that fits (the cache "
                          "formula's estimate is still printed)")
     pl.set_defaults(func=_plan)
+    be = sub.add_parser("bench", help="prefill and decode throughput of the engine against the roofline",
+                        description="Build the model with random weights (or load one), run the engine as "
+                        "`generate` does (one prefill, then greedy decode steps without stop tokens) and report "
+                        "prefill tokens/s, decode tokens/s per sequence and in all, the decode step split into "
+                        "attention, indexer, MoE and the rest (profiler trace, GPUs), peak device memory, and "
+                        "the roofline: the bytes and FLOPs the steps must move over the measured copy bandwidth "
+                        "and matmul rate. See docs/benchmarks.md.")
+    _model_source(be)
+    be.add_argument("--layers", type=int, help="keep the preset's first N decoder layers (to fit one device)")
+    be.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
+                    help="bf16 float weights, or fp8: DeepSeek's release storage (FP8 blocks, FP4 routed experts)")
+    be.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"], help="cache storage of K=V rows (bf16)")
+    be.add_argument("--batch", type=int, nargs="+", required=True, help="sequences in flight; several run in turn")
+    be.add_argument("--prompt-len", type=int, required=True, help="prompt tokens per sequence")
+    be.add_argument("--gen-len", type=int, required=True, help="generated tokens per sequence (at least 2)")
+    be.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256, as generate)")
+    be.add_argument("--copy-tbps", type=float, help="copy bandwidth in TB/s for the roofline (default: measured)")
+    be.add_argument("--matmul-tflops", type=float, help="bf16 matmul rate in TFLOP/s (default: measured)")
+    be.add_argument("--no-breakdown", action="store_true", help="skip the profiled per-part split")
+    be.add_argument("--trace-dir", help="keep each breakdown's profiler trace here (batch<B>/, for Perfetto)")
+    be.add_argument("--json", help="append one JSON row per batch size to this file")
+    be.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    be.set_defaults(func=_bench)
     ex = sub.add_parser("export", help="the decode and prefill-chunk steps as serialized StableHLO for one platform",
                         description="Lower the engine's decode and prefill-chunk steps from abstract arrays (no "
                         "weights needed: the weights are inputs of the exported functions) for one platform and "

@@ -180,5 +180,7 @@ class CSACompressor(Compressor):
         """Cached form for the sparse attention operations: (entries in the cache's storage, the indexer's
         picks `idx [B, C, K]`, new LayerCache fields)."""
         entries, state = self.append(x_bch, cache.compressor, start_b, n_valid_b)
-        idx, index_state = self.indexer.picks(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, cache.indexer)
+        with jax.named_scope("indexer"):
+            idx, index_state = self.indexer.picks(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b,
+                                                  cache.indexer)
         return entries, {"idx": idx}, {"compressor": state, "indexer": index_state}

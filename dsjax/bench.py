@@ -1,0 +1,403 @@
+"""`dsjax bench`: prefill and decode throughput of the engine on random weights, against the roofline.
+
+The engine runs as `generate` runs it (the scheduler's prefill, then one decode step per token with
+the sampled tokens read back each step). The roofline of a configuration is the time the device
+needs at its measured copy bandwidth and matmul rate for the bytes each step must move and the FLOPs
+it must do (`roofline`); the per-part split of a decode step comes from a profiler trace whose kernels
+are attributed to the model's named scopes (`attention`, `indexer`, `moe`; everything else is
+`rest`), where the backend's trace has kernel events (GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsjax.cache import layer_cache
+from dsjax.config import CSA, HCA, ModelConfig
+from dsjax.engine.sampling import SamplingParams
+from dsjax.engine.scheduler import Request, run
+from dsjax.engine.steps import Engine, _decode
+from dsjax.info import component
+from dsjax.model import DeepseekV4
+from dsjax.quantize import V4_QUANT
+
+PARTS = ("attention", "indexer", "moe", "rest")
+WEIGHTS = ("bf16", "fp8")
+
+
+def bench_config(preset: str, layers: int | None = None, weights: str = "bf16") -> ModelConfig:
+    """The preset's config, cut to its first `layers` decoder layers; `weights` "fp8" stores it as
+    DeepSeek releases it (FP8 blocks, FP4 routed experts), "bf16" as float weights."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    cfg = ModelConfig.preset(preset)
+    if layers is not None:
+        if not 1 <= layers <= cfg.num_hidden_layers:
+            raise ValueError(f"--layers must be between 1 and the preset's {cfg.num_hidden_layers}, got {layers}")
+        cfg = cfg.replace(num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
+                          mlp_layer_types=cfg.mlp_layer_types[:layers])
+    return cfg.replace(quantization=V4_QUANT if weights == "fp8" else None)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> DeepseekV4:
+    """A model with the initializer's random weights, built in one compiled program on the default
+    device (no float32 copy of the experts is ever whole in memory). Hash-routed layers get a random
+    `tid2eid` (k distinct experts per token, as a checkpoint has): the initializer's zeros would send
+    every token to expert 0 and make the MoE look cheaper than it is."""
+    def build():
+        model = DeepseekV4(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+        key = jax.random.key(seed + 1)
+        for path, var in nnx.to_flat_state(nnx.state(model)):
+            if path[-1] == "tid2eid":
+                key, sub = jax.random.split(key)
+                shape = var.get_value().shape  # [repeats, vocab, k]
+                noise = jax.random.uniform(sub, (*shape[:-1], cfg.n_routed_experts))
+                var.set_value(jax.lax.top_k(noise, shape[-1])[1].astype(var.get_value().dtype))
+        return model
+    return nnx.jit(build)()
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    copy_bytes_per_s: float  # bytes read plus bytes written, per second, of a device-to-device copy
+    matmul_flops_per_s: float  # bf16 matmul rate (an 8192² × 8192 product)
+
+    def time(self, n_bytes: float, flops: float) -> float:
+        """Seconds the device needs at least for these bytes and FLOPs (whichever bounds)."""
+        return max(n_bytes / self.copy_bytes_per_s, flops / self.matmul_flops_per_s)
+
+
+def measure_rates(copy_bytes: int = 2 << 30, n: int = 8192) -> DeviceRates:
+    """The default device's copy bandwidth and bf16 matmul rate, each the best of a few timed runs."""
+    copy = jax.jit(lambda x: x + 1)  # reads and writes every byte once
+    x = jnp.zeros((copy_bytes // 2,), jnp.bfloat16)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    out = {}
+    for name, fn, arg, amount in (("copy", copy, x, 2 * copy_bytes), ("mm", mm, a, 2 * n ** 3)):
+        jax.block_until_ready(fn(arg))
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            best = min(best, time.perf_counter() - t0)
+        out[name] = amount / best
+    return DeviceRates(out["copy"], out["mm"])
+
+
+def _leaves(model: DeepseekV4):
+    """(component, bytes, elements) of every weight variable, layers stacked as stored."""
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        names = [str(p) for p in path]
+        if names[0] == "groups":  # ("groups", g, "layers", i, ...) → the layer's own path
+            names = names[4:]
+        value = var.get_value()
+        name = ".".join(names)
+        comp = "scale" if name.endswith("_scale_inv") else component(name)
+        yield comp, name, value.size * value.dtype.itemsize, value.size
+
+
+def touched_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Expected fraction of a layer's routed experts that `tokens` tokens select, with each token's k
+    experts spread uniformly (random weights route nearly so)."""
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    return 1.0 - (1.0 - k / e) ** tokens
+
+
+def _attended_rows(cfg: ModelConfig, attention_type: str, context: int) -> tuple[int, int]:
+    """(K=V rows one query attends, index keys its indexer scores) at `context` tokens."""
+    rows = min(cfg.sliding_window, context)
+    if attention_type == HCA:
+        return rows + context // cfg.compress_rate_hca, 0
+    if attention_type == CSA:
+        entries = context // cfg.compress_rate_csa
+        return rows + min(cfg.index_topk, entries), entries
+    return rows, 0
+
+
+def _cache_read_bytes(cfg: ModelConfig, attention_type: str, context: int, dtype, kv_dtype) -> float:
+    """Cache bytes one slot's decode step reads in one layer at `context` tokens: the window ring, the
+    compressor's buffers, every HCA entry, every CSA index key and the CSA entries the indexer picks."""
+    one = jax.eval_shape(lambda: layer_cache(cfg, attention_type, 1, max(context, 1), dtype, kv_dtype))
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one))
+    if attention_type == CSA and one.compressor is not None:
+        entries = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one.compressor.entries))
+        n = max(context // cfg.compress_rate_csa, 1)
+        total -= entries * (1 - min(cfg.index_topk, n) / n)
+    return total
+
+
+def _layer_flops_per_token(cfg: ModelConfig, attention_type: str, context: int) -> int:
+    """Attention and indexer FLOPs of one query at `context` tokens (products of the shared K=V head
+    with every query head: scores and values)."""
+    rows, keys = _attended_rows(cfg, attention_type, context)
+    return 4 * cfg.num_attention_heads * cfg.head_dim * rows + 2 * cfg.index_n_heads * cfg.index_head_dim * keys
+
+
+def roofline(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, rates: DeviceRates,
+             kv_dtype: str | None = None) -> dict:
+    """The least time the device needs for the prefill of `batch` prompts of `prompt_len` tokens and
+    for one decode step of `batch` slots at the mean context of the generation, from bytes and FLOPs:
+
+    - decode bytes: every weight except the embedding table (one row per token) and the routed
+      experts, of which the expected touched fraction (`touched_experts`); the cache rows each slot's
+      attention and indexer read; decode FLOPs: 2 per active weight per token plus attention;
+    - prefill: the weights once, the cache written once; 2 FLOPs per active weight per token plus
+      causal attention over the prompt.
+    """
+    cfg = model.cfg
+    context = prompt_len + gen_len // 2
+    by_comp: dict[str, float] = {}
+    expert_elems = active_elems = 0
+    for comp, _name, n_bytes, n in _leaves(model):
+        by_comp[comp] = by_comp.get(comp, 0) + n_bytes
+        if comp == "routed_experts":
+            expert_elems += n
+        elif comp not in ("embedding", "scale"):
+            active_elems += n
+    active_elems += expert_elems * cfg.num_experts_per_tok / cfg.n_routed_experts
+    emb_row = by_comp.get("embedding", 0) / cfg.vocab_size
+    dense = sum(v for c, v in by_comp.items() if c not in ("embedding", "routed_experts"))
+    experts = by_comp.get("routed_experts", 0)
+    dtype = jnp.dtype(model.dtype)
+    cache_read = sum(_cache_read_bytes(cfg, t, context, dtype, kv_dtype) for t in cfg.layer_types)
+    attn_flops = sum(_layer_flops_per_token(cfg, t, context) for t in cfg.layer_types)
+    decode_weight_bytes = dense + experts * touched_experts(cfg, batch) + emb_row * batch
+    decode_bytes = decode_weight_bytes + batch * cache_read
+    decode_flops = batch * (2 * active_elems + attn_flops)
+    prompt_attn = sum(_layer_flops_per_token(cfg, t, p) for t in cfg.layer_types for p in range(1, prompt_len + 1))
+    prefill_flops = batch * (2 * active_elems * prompt_len + prompt_attn)
+    cache_written = batch * sum(_cache_read_bytes(cfg, t, prompt_len, dtype, kv_dtype) for t in cfg.layer_types)
+    prefill_bytes = dense + experts * touched_experts(cfg, batch * prompt_len) + cache_written
+    decode_s = rates.time(decode_bytes, decode_flops)
+    prefill_s = rates.time(prefill_bytes, prefill_flops)
+    return {"context": context, "decode_step_bytes": decode_bytes, "decode_weight_bytes": decode_weight_bytes,
+            "decode_cache_bytes": batch * cache_read, "decode_step_flops": decode_flops,
+            "decode_step_s": decode_s, "decode_tokens_per_s": batch / decode_s,
+            "decode_bound": "memory" if decode_bytes / rates.copy_bytes_per_s >= decode_flops / rates.matmul_flops_per_s
+            else "compute",
+            "prefill_bytes": prefill_bytes, "prefill_flops": prefill_flops, "prefill_s": prefill_s,
+            "prefill_tokens_per_s": batch * prompt_len / prefill_s, "weight_bytes": sum(by_comp.values())}
+
+
+def _hlo_scopes(hlo_text: str) -> dict[str, str]:
+    """Instruction name → the part its op_name metadata names, for every instruction of a compiled
+    module's text; names are also keyed with '.' and '-' as '_' (kernel names spell them so)."""
+    parts = {}
+    for m in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text, re.M):
+        parts[m.group(1)] = parts[_kernel_name(m.group(1))] = _part_of(m.group(2))
+    return parts
+
+
+def _kernel_name(name: str) -> str:
+    return re.sub(r"[.\-]", "_", name)
+
+
+def _part_of(op_name: str) -> str:
+    scopes = op_name.split("/")
+    for part in ("indexer", "attention", "moe"):  # innermost first: the indexer runs inside attention
+        if part in scopes:
+            return part
+    return "rest"
+
+
+def attribute_trace(trace_dir: str, hlo_text: str, steps: int) -> dict:
+    """Seconds per step of each part, from the device kernels of a profiler trace (`trace_dir`, written
+    by `jax.profiler.trace`) of `steps` runs of the compiled module `hlo_text`. Kernels are matched to
+    the module's instructions by the `hlo_op` the GPU runtime records with each launch (else by their
+    name); those that match none are counted as `unattributed`. Returns {} where the trace has no
+    device kernels (CPU)."""
+    files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    if not files:
+        return {}
+    trace = json.load(gzip.open(max(files, key=os.path.getmtime)))
+    pids = {p["pid"]: p.get("args", {}).get("name", "") for p in trace["traceEvents"]
+            if p.get("ph") == "M" and p.get("name") == "process_name"}
+    device_pids = {pid for pid, name in pids.items() if "/device:GPU" in name or "/device:TPU" in name}
+    scopes = _hlo_scopes(hlo_text)
+    seconds = dict.fromkeys((*PARTS, "unattributed"), 0.0)
+    n_kernels = 0
+    names: dict[str, float] = {}
+    for ev in trace["traceEvents"]:
+        if ev.get("ph") != "X" or ev.get("pid") not in device_pids:
+            continue
+        args = ev.get("args", {})
+        op = args.get("hlo_op") or ev.get("name", "")
+        part = (_part_of(args["name"]) if "/" in args.get("name", "") else None  # the op's scope path itself
+                or scopes.get(op) or scopes.get(_kernel_name(op)) or scopes.get(_kernel_name(ev.get("name", ""))))
+        dur = float(ev.get("dur", 0)) * 1e-6
+        seconds[part or "unattributed"] += dur
+        n_kernels += 1
+        key = f"{part or 'unattributed'}: {ev.get('name', '')[:60]}"
+        names[key] = names.get(key, 0.0) + dur
+    if not n_kernels:
+        return {}
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:8]
+    return ({k: v / steps for k, v in seconds.items()} | {"kernels_per_step": n_kernels / steps}
+            | {"top_kernels": {k: v / steps for k, v in top}})
+
+
+def _requests(cfg: ModelConfig, batch: int, prompt_len: int, gen_len: int, seed: int) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=gen_len)
+    return [Request(i, tuple(int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)), sp, i, frozenset())
+            for i in range(batch)]
+
+
+def _timed_run(engine: Engine, requests: list[Request]) -> tuple[float, float, int]:
+    """(seconds to the first token of every request, seconds of the decode steps after it, decode
+    steps) of one scheduler run: all requests share one prefill (the engine has a slot each)."""
+    n = len(requests)
+    t0 = time.perf_counter()
+    t_first = None
+    seen = 0
+    steps = 0
+    for ev in run(engine, requests):
+        seen += 1
+        if seen == n:
+            t_first = time.perf_counter()
+        elif seen > n and (seen - n) % n == 0:
+            steps += 1
+    t_end = time.perf_counter()
+    return t_first - t0, t_end - t_first, steps
+
+
+def peak_memory() -> int | None:
+    """Peak bytes in use on the default device since the process started, where the backend says."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, kv_dtype: str | None = None,
+              chunk_size: int = 256, rates: DeviceRates | None = None, breakdown: bool = True,
+              seed: int = 0, trace_dir: str | None = None) -> dict:
+    """Prefill `batch` random prompts of `prompt_len` tokens and generate `gen_len` tokens each, greedily
+    and without stop tokens, through the scheduler; the same once before to compile. Raises
+    RuntimeError if the measured run compiled anything."""
+    if batch < 1 or prompt_len < 1 or gen_len < 2:
+        raise ValueError(f"batch and prompt_len must be positive and gen_len at least 2, got {batch}, "
+                         f"{prompt_len}, {gen_len}")
+    cfg = model.cfg
+    engine = Engine(model, num_slots=batch, max_len=prompt_len + gen_len, chunk_size=chunk_size,
+                    kv_dtype=kv_dtype)
+    requests = _requests(cfg, batch, prompt_len, gen_len, seed)
+    _timed_run(engine, [dataclasses.replace(r, sampling=SamplingParams(temperature=0.0, max_tokens=2))
+                        for r in requests])  # compiles the prefill chunk and the decode step
+    compiled = Engine.compilations()
+    prefill_s, decode_s, steps = _timed_run(engine, requests)
+    if Engine.compilations() != compiled:
+        raise RuntimeError(f"the measured run compiled {Engine.compilations() - compiled} more programs after "
+                           "warm-up: a step's shapes changed")
+    out = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "kv_dtype": kv_dtype or "bfloat16",
+           "weights": "bf16" if cfg.quantization is None else "fp8",
+           "prefill_s": prefill_s, "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+           "decode_step_s": decode_s / steps, "decode_tokens_per_s_per_seq": steps / decode_s,
+           "decode_tokens_per_s": batch * steps / decode_s, "decode_steps": steps,
+           "peak_memory_bytes": peak_memory(), "compilations_after_warmup": 0}
+    if rates is not None:
+        roof = roofline(model, batch, prompt_len, gen_len, rates, kv_dtype)
+        out |= {f"roofline_{k}": v for k, v in roof.items()}
+        out["decode_of_roofline"] = roof["decode_step_s"] / out["decode_step_s"]
+        out["prefill_of_roofline"] = roof["prefill_s"] / prefill_s
+    if breakdown:
+        out["decode_parts_s"] = decode_breakdown(engine, batch, prompt_len, seed=seed, trace_dir=trace_dir)
+    return out
+
+
+def decode_breakdown(engine: Engine, batch: int, context: int, steps: int = 8, seed: int = 0,
+                     trace_dir: str | None = None) -> dict:
+    """Per-step seconds of each part of the decode step (`attribute_trace`), from `steps` steps on a
+    cache whose slots all hold `context` tokens, fed random tokens (the hash routers pick experts by
+    token id: equal tokens would touch few experts). Cache contents are zeros: the work does not
+    depend on them. `trace_dir` keeps the profiler trace (for Perfetto or TensorBoard)."""
+    from dsjax.engine.sampling import SamplingArrays
+
+    if jax.default_backend() == "cpu":  # XLA:CPU's traces have no kernel events to attribute
+        return {}
+    cache = engine.new_cache()
+    cache = dataclasses.replace(cache, lengths=jnp.full_like(cache.lengths, context))
+    rng = np.random.default_rng(seed)
+    tokens = [jnp.asarray(rng.integers(0, engine.cfg.vocab_size, batch), jnp.int32) for _ in range(steps + 1)]
+    active = jnp.ones((batch,), bool)
+    sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * batch, [0] * batch)
+    cache, _ = engine.decode(cache, tokens[-1], active, sampling)  # compiled already; warms the caches
+    jax.block_until_ready(cache)
+    lowered = _decode.lower(engine.graphdef, engine.params, cache, tokens[0], active, sampling)
+    # On GPUs XLA replays runs of kernels as CUDA graphs, whose kernels the trace names only by their
+    # graph; compiled without them, every kernel carries its HLO instruction. Kernel times are the same.
+    options = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
+    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = trace_dir or tmp
+        cache, _ = compiled(engine.params, cache, tokens[0], active, sampling)  # first run outside the trace
+        with jax.profiler.trace(d):
+            for t in tokens[:steps]:
+                cache, sampled = compiled(engine.params, cache, t, active, sampling)
+            jax.block_until_ready((cache, sampled))
+        return attribute_trace(d, compiled.as_text(), steps)
+
+
+def format_report(row: dict) -> str:
+    """A short human-readable summary of one `run_bench` row."""
+    gib = lambda n: "n/a" if n is None else f"{n / 2**30:.1f} GiB"  # noqa: E731
+    lines = [f"batch {row['batch']} × prompt {row['prompt_len']} + {row['gen_len']} generated "
+             f"({row['weights']} weights, {row['kv_dtype']} cache)",
+             f"  prefill  {row['prefill_tokens_per_s']:12,.0f} tokens/s   ({row['prefill_s'] * 1e3:.1f} ms)",
+             f"  decode   {row['decode_tokens_per_s']:12,.1f} tokens/s   {row['decode_tokens_per_s_per_seq']:.1f} per "
+             f"sequence, {row['decode_step_s'] * 1e3:.2f} ms per step",
+             f"  peak device memory {gib(row['peak_memory_bytes'])}"]
+    if "roofline_decode_step_s" in row:
+        lines.append(f"  roofline decode {row['roofline_decode_step_s'] * 1e3:.3f} ms per step "
+                     f"({row['roofline_decode_bound']} bound: {row['roofline_decode_step_bytes'] / 1e9:.2f} GB, "
+                     f"{row['roofline_decode_step_flops'] / 1e12:.3f} TFLOP) → {100 * row['decode_of_roofline']:.1f}% "
+                     f"reached; prefill {row['roofline_prefill_s'] * 1e3:.1f} ms → "
+                     f"{100 * row['prefill_of_roofline']:.1f}%")
+    parts = row.get("decode_parts_s")
+    if parts:
+        busy = sum(parts.get(k, 0.0) for k in (*PARTS, "unattributed"))
+        lines.append("  decode step by part (device kernels): " + ", ".join(
+            f"{k} {parts[k] * 1e3:.3f} ms" for k in (*PARTS, "unattributed") if parts.get(k))
+            + f"; {parts['kernels_per_step']:.0f} kernels, busy {busy * 1e3:.2f} of "
+            f"{row['decode_step_s'] * 1e3:.2f} ms")
+        for name, sec in parts.get("top_kernels", {}).items():
+            lines.append(f"    {sec * 1e3:8.3f} ms  {name}")
+    elif parts is not None:
+        lines.append("  decode step by part: this backend's profiler trace has no device kernels")
+    return "\n".join(lines)
+
+
+def bench(model: DeepseekV4, batches: Sequence[int], prompt_len: int, gen_len: int, *,
+          kv_dtype: str | None = None, chunk_size: int = 256, breakdown: bool = True,
+          rates: DeviceRates | None = None, seed: int = 0, trace_dir: str | None = None,
+          emit=print) -> list[dict]:
+    """`run_bench` for each batch size on one model; `emit` receives each row as it is made;
+    `trace_dir/batch<B>` keeps each breakdown's profiler trace."""
+    cfg = model.cfg
+    if prompt_len + gen_len > cfg.max_position_embeddings:
+        raise ValueError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "
+                         f"{cfg.max_position_embeddings} positions")
+    rates = rates or measure_rates()
+    rows = []
+    for b in batches:
+        row = run_bench(model, b, prompt_len, gen_len, kv_dtype=kv_dtype, chunk_size=chunk_size, rates=rates,
+                        breakdown=breakdown, seed=seed,
+                        trace_dir=os.path.join(trace_dir, f"batch{b}") if trace_dir else None)
+        row |= {"layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
+                "copy_TBps": rates.copy_bytes_per_s / 1e12, "matmul_TFLOPs": rates.matmul_flops_per_s / 1e12}
+        rows.append(row)
+        emit(row)
+    return rows

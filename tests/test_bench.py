@@ -1,0 +1,177 @@
+"""`dsjax bench`: configs, the roofline's byte and FLOP counts, the trace attribution, a run on the tiny
+model through the CLI, its refusals; and `scripts/bench_hf.py` on CPU in the reference environment."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from dsjax import bench as B
+from dsjax.cli import main
+from dsjax.engine.steps import Engine
+from tests.conftest import ROOT, reference_python
+
+RATES = B.DeviceRates(1e12, 1e14)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return B.random_model(B.bench_config("tiny"))
+
+
+def test_bench_config_cuts_layers_and_picks_storage():
+    cfg = B.bench_config("v4-flash", 4, "fp8")
+    assert cfg.num_hidden_layers == 4 and len(cfg.layer_types) == len(cfg.mlp_layer_types) == 4
+    assert cfg.quantization.expert_dtype == "fp4"
+    assert B.bench_config("tiny").quantization is None
+    with pytest.raises(ValueError, match="between 1 and the preset's 4"):
+        B.bench_config("tiny", 5)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        B.bench_config("tiny", weights="int8")
+
+
+def test_random_model_spreads_hash_routing(tiny):
+    tables = [v.get_value() for p, v in nnx.to_flat_state(nnx.state(tiny)) if p[-1] == "tid2eid"]
+    assert tables
+    for t in tables:  # k distinct experts per token, many experts in use
+        assert (t[..., 0] != t[..., 1]).all() and len(set(t.reshape(-1).tolist())) == tiny.cfg.n_routed_experts
+
+
+def test_touched_experts():
+    cfg = B.bench_config("tiny")  # 2 of 8 experts per token
+    assert B.touched_experts(cfg, 1) == pytest.approx(0.25)
+    assert B.touched_experts(cfg, 2) == pytest.approx(1 - 0.75 ** 2)
+    assert B.touched_experts(cfg, 10_000) == pytest.approx(1.0)
+
+
+def test_roofline_counts_the_weights_and_cache_a_step_reads(tiny):
+    cfg = tiny.cfg
+    leaves = list(B._leaves(tiny))
+    total = sum(n for _, _, n, _ in leaves)
+    experts = sum(n for c, _, n, _ in leaves if c == "routed_experts")
+    emb = sum(n for c, _, n, _ in leaves if c == "embedding")
+    r1 = B.roofline(tiny, 1, 40, 8, RATES)
+    assert r1["weight_bytes"] == total
+    want = total - emb - experts + experts * 2 / 8 + emb / cfg.vocab_size
+    assert r1["decode_weight_bytes"] == pytest.approx(want)
+    assert r1["decode_cache_bytes"] > 0 and r1["context"] == 44
+    r4 = B.roofline(tiny, 4, 40, 8, RATES)
+    assert r4["decode_cache_bytes"] == pytest.approx(4 * r1["decode_cache_bytes"])
+    assert r4["decode_step_flops"] == pytest.approx(4 * r1["decode_step_flops"])
+    assert r4["decode_step_s"] == RATES.time(r4["decode_step_bytes"], r4["decode_step_flops"])
+    # Longer prompts: more prefill FLOPs than tokens alone (causal attention grows with position).
+    p1, p2 = B.roofline(tiny, 1, 32, 2, RATES), B.roofline(tiny, 1, 64, 2, RATES)
+    assert p2["prefill_flops"] > 2 * p1["prefill_flops"]
+
+
+def test_csa_cache_reads_count_only_the_picked_entries():
+    cfg = B.bench_config("tiny")  # CSA: rate 4, top-4 picks
+    from dsjax.config import CSA, HCA
+
+    short = B._cache_read_bytes(cfg, CSA, 16, jnp.bfloat16, None)   # 4 entries: all picked
+    long_ = B._cache_read_bytes(cfg, CSA, 160, jnp.bfloat16, None)  # 40 entries, 4 picked
+    row = cfg.head_dim * 2
+    index_row = cfg.index_head_dim * 2
+    # From 16 to 160 tokens the CSA reads 36 more index keys and no more K=V entries.
+    assert long_ - short == pytest.approx(36 * index_row)
+    hca_short, hca_long = (B._cache_read_bytes(cfg, HCA, n, jnp.bfloat16, None) for n in (16, 160))
+    assert hca_long - hca_short == pytest.approx((160 // 8 - 16 // 8) * row)
+
+
+def _trace(tmp_path, events):
+    d = tmp_path / "plugins" / "profile" / "run1"
+    d.mkdir(parents=True)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    with gzip.open(d / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    return str(tmp_path)
+
+
+HLO = """
+ENTRY %main {
+  %fusion.3 = f32[8] fusion(%p), kind=kLoop, metadata={op_name="jit(_decode)/while/body/attention/indexer/dot_general" source_file="x"}
+  %custom-call.7 = f32[8] custom-call(%a), custom_call_target="mosaic_gpu", metadata={op_name="jit(_decode)/while/body/moe/ragged_dot"}
+  ROOT %loop_add_fusion.2 = f32[8] fusion(%q), kind=kLoop, metadata={op_name="jit(_decode)/while/body/attention/add"}
+  %sort.1 = f32[8] sort(%r), metadata={op_name="jit(_decode)/sort"}
+}
+"""
+
+
+def test_attribute_trace_maps_kernels_to_parts(tmp_path):
+    ev = lambda kernel, dur, pid=1, **args: {"ph": "X", "pid": pid, "name": kernel, "dur": dur, "args": args}  # noqa: E731
+    d = _trace(tmp_path, [
+        ev("fusion_3", 10, hlo_op="fusion.3"),                    # by its instruction
+        ev("ragged_dot_kernel", 40, hlo_op="custom-call.7"),      # a custom call
+        ev("loop_add_fusion_2", 6, hlo_op="command_buffer_4"),    # inside a CUDA graph: by the kernel's name
+        ev("cub_sort", 20, hlo_op="custom-call.99", name="jit(_decode)/sort"),  # by the scope path it carries
+        ev("mystery", 4, hlo_op="command_buffer_9"),
+        ev("host_work", 1000, pid=2, hlo_op="fusion.3"),          # host events are not device time
+    ])
+    parts = B.attribute_trace(d, HLO, steps=2)
+    assert parts["indexer"] == pytest.approx(5e-6) and parts["moe"] == pytest.approx(20e-6)
+    assert parts["attention"] == pytest.approx(3e-6) and parts["rest"] == pytest.approx(10e-6)
+    assert parts["unattributed"] == pytest.approx(2e-6) and parts["kernels_per_step"] == 2.5
+    assert list(parts["top_kernels"])[0] == "moe: ragged_dot_kernel"
+    assert B.attribute_trace(_trace(tmp_path / "cpu", [ev("x", 5, pid=2)]), HLO, 1) == {}
+    assert B.attribute_trace(str(tmp_path / "none"), HLO, 1) == {}
+
+
+def test_run_bench_refuses_recompilation(tiny, monkeypatch):
+    calls = iter(range(100))
+    monkeypatch.setattr(Engine, "compilations", staticmethod(lambda: next(calls)))
+    with pytest.raises(RuntimeError, match="more programs after warm-up"):
+        B.run_bench(tiny, 2, 12, 4, chunk_size=8, rates=RATES, breakdown=False)
+
+
+def test_cli_runs_and_appends_rows(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    args = ["bench", "--preset", "tiny", "--batch", "2", "--prompt-len", "12", "--gen-len", "4",
+            "--chunk-size", "8", "--copy-tbps", "1", "--matmul-tflops", "100", "--json", str(out)]
+    assert main(args) == 0
+    main(args[:-2])  # a second run without --json appends nothing
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["model"] == "tiny" and row["batch"] == 2 and row["decode_steps"] == 3
+    assert row["decode_tokens_per_s"] == pytest.approx(2 * row["decode_tokens_per_s_per_seq"])
+    assert row["prefill_tokens_per_s"] == pytest.approx(24 / row["prefill_s"])
+    assert 0 < row["decode_of_roofline"] and row["roofline_decode_step_s"] > 0
+    assert row["compilations_after_warmup"] == 0
+    assert row["decode_parts_s"] == {}  # CPU traces have no device kernels
+    text = capsys.readouterr().out
+    assert "roofline decode" in text and "no device kernels" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "x", "--layers", "2", "--batch", "1", "--prompt-len", "4", "--gen-len", "2"], "--layers cuts a preset"),
+    (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "1"], "--gen-len 1"),
+    (["--preset", "tiny", "--batch", "0", "--prompt-len", "4", "--gen-len", "2"], "--batch 0"),
+    (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--copy-tbps", "4"],
+     "give both --copy-tbps and --matmul-tflops"),
+    (["--preset", "tiny", "--layers", "9", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--copy-tbps", "1",
+      "--matmul-tflops", "1"], "between 1 and the preset's 4"),
+])
+def test_cli_refuses_bad_input(args, message, capsys):
+    assert main(["bench", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_hf_runs_the_reference_on_cpu(tmp_path):
+    """The HF script's own logic (build, random routing, prefill, decode through the cache) on the tiny
+    config in the reference's environment; the GPU run is the benchmark itself."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(B.bench_config("tiny").to_hf()))
+    out = tmp_path / "hf.jsonl"
+    proc = subprocess.run([reference_python(), str(ROOT / "scripts" / "bench_hf.py"), "--config-json", str(cfg),
+                           "--device", "cpu", "--batch", "2", "--prompt-len", "9", "--gen-len", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["impl"] == "hf" and row["batch"] == 2 and row["decode_tokens_per_s"] > 0
+    assert row["decode_tokens_per_s"] == pytest.approx(2 * row["decode_tokens_per_s_per_seq"])
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_hf.py"), "--batch", "1",
+                              "--prompt-len", "4", "--gen-len", "1"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--gen-len at least 2" in refused.stderr
