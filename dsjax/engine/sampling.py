@@ -83,6 +83,39 @@ def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array)
     logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     greedy_b = jnp.argmax(logits_bv, axis=-1)
 
+    random_b = params.temperature > 0
+    filtered_b = random_b & ((params.top_k > 0) | (params.top_p < 1))
+    # Sorting the vocabulary (2.6 ms per decode step at 128 rows × 129K on an H200) only where a
+    # sampled row filters; greedy batches skip the noise as well. The branches agree on every row:
+    # each token id owns its noise draw, so the sorted and unsorted maxima pick the same token.
+    sampled_b = jax.lax.cond(
+        jnp.any(random_b),
+        lambda: jax.lax.cond(jnp.any(filtered_b), _sample_filtered, _sample_plain, logits_bv, params, positions_b),
+        lambda: greedy_b.astype(jnp.int32))
+    token_b = jnp.where(params.temperature == 0, greedy_b, sampled_b).astype(jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[-1]))
+    return Sampled(token=token_b, logprob=jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0],
+                   top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+
+
+def _gumbel_bv(params: SamplingArrays, positions_b: jax.Array, vocab: int) -> jax.Array:
+    """Per-row Gumbel noise, one draw per token id, keyed by the row's seed and position."""
+    def gumbel(seed, pos):
+        key = jax.random.fold_in(jax.random.key(seed), pos)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    return jax.vmap(gumbel)(params.seed, positions_b)
+
+
+def _sample_plain(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
+    """Temperature sampling without top-k/top-p: the Gumbel-max trick on the unsorted logits."""
+    temp_b = jnp.maximum(params.temperature, 1e-6)[:, None]
+    noise_bv = _gumbel_bv(params, positions_b, logits_bv.shape[-1])
+    return jnp.argmax(logits_bv / temp_b + noise_bv, axis=-1).astype(jnp.int32)
+
+
+def _sample_filtered(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
+    """Temperature sampling with each row's top-k and top-p cuts, over the sorted vocabulary."""
     temp_b = jnp.maximum(params.temperature, 1e-6)[:, None]
     # A stable sort orders tied logits by token id, so top-k/top-p cuts never depend on how the sort
     # happened to order ties (which differs with the batch's shape).
@@ -96,17 +129,8 @@ def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this rank
     keep &= before < params.top_p[:, None]
     scaled = jnp.where(keep, scaled, -jnp.inf)
-
-    def gumbel(seed, pos, n):
-        key = jax.random.fold_in(jax.random.key(seed), pos)
-        return jax.random.gumbel(key, (n,), jnp.float32)
-
     # Each token id owns its noise draw, so a request's choice depends only on its own logits.
-    noise_bv = jax.vmap(gumbel, in_axes=(0, 0, None))(params.seed, positions_b, logits_bv.shape[-1])
-    noise_sorted = jnp.take_along_axis(noise_bv, sorted_ids, axis=-1)
+    noise_sorted = jnp.take_along_axis(_gumbel_bv(params, positions_b, logits_bv.shape[-1]), sorted_ids, axis=-1)
     picked_rank = jnp.argmax(scaled + noise_sorted, axis=-1)
-    sampled_b = jnp.take_along_axis(sorted_ids, picked_rank[:, None], axis=-1)[:, 0]
-    token_b = jnp.where(params.temperature == 0, greedy_b, sampled_b).astype(jnp.int32)
-    top_lp, top_ids = jax.lax.top_k(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[-1]))
-    return Sampled(token=token_b, logprob=jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0],
-                   top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+    return jnp.take_along_axis(sorted_ids, picked_rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
+

@@ -84,3 +84,19 @@ def test_tied_logits_are_sampled_by_each_tokens_own_noise_whatever_the_batch():
         sp = SamplingArrays.of([SamplingParams(temperature=1.0, top_k=50)] * 4, [seed + 1, seed + 2, seed, 5])
         together = sample(batch, sp, jnp.asarray([1, 2, 3, 4]))
         assert int(alone.token[0]) == int(together.token[2])
+
+
+def test_unfiltered_rows_skip_the_sort_and_pick_what_the_sorted_path_picks():
+    """Rows without top-k/top-p take the Gumbel-max on unsorted logits; with the same noise the
+    sorted path (taken when any row filters) picks the same tokens, so a row's token does not depend
+    on whether another row in its batch filters."""
+    from dsjax.engine.sampling import _sample_filtered, _sample_plain
+
+    logits = jax.random.normal(jax.random.key(3), (16, 1000)) * 3
+    params = SamplingArrays.of([SamplingParams(temperature=t) for t in np.linspace(0.3, 2.0, 16)], list(range(16)))
+    pos = jnp.arange(16, dtype=jnp.int32) * 7
+    np.testing.assert_array_equal(_sample_plain(logits, params, pos), _sample_filtered(logits, params, pos))
+    alone = sample(logits, params, pos).token  # row 0: temperature 0.3 either way
+    with_filter = sample(logits, SamplingArrays.of(
+        [SamplingParams(temperature=0.3)] + [SamplingParams(temperature=1.0, top_k=5)] * 15, list(range(16))), pos).token
+    assert int(alone[0]) == int(with_filter[0])
