@@ -57,6 +57,13 @@ class _Slots:
         self.generated = [0] * n
         self.last = [0] * n
 
+    def ends_by_count(self, s: int, one_more: bool) -> bool:
+        """Whether slot s's request has (or, with `one_more` token in flight, will have) all the tokens
+        its max_tokens or the cache's max_len allow."""
+        extra = int(one_more)
+        return (self.generated[s] + extra >= self.request[s].sampling.max_tokens
+                or self.total[s] + extra >= self.max_len)
+
     def sampling(self, rows) -> SamplingArrays:
         reqs = tuple(self.request[s] for s in rows)
         # Rebuilt only when the slots' requests change, not on every decode step.
@@ -74,6 +81,11 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
 
     A consumer that adds a request's index to `cancelled` while handling one of its tokens ends that
     request there (its slot is refilled); `timer`, if given, accumulates the time spent in the steps.
+
+    Decode steps are pipelined: step t+1 is dispatched, fed step t's tokens on the device, before the
+    host reads step t's tokens and yields their events, so the device does not wait for the host
+    between steps. A slot whose request a read then ends (a stop token, a cancellation) has already
+    run one more step; that token is dropped. Slots that end by length are never run past it.
     """
     cancelled = set() if cancelled is None else cancelled
     timer = timer or StepTimer()
@@ -82,36 +94,60 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     cache = engine.new_cache()
     pending = iter(requests)
     exhausted = False
+    inflight = None  # the decode step dispatched last, not read yet: (sampled, [(slot, request), ...])
     while True:
-        new = []
-        if not exhausted:
-            for s in range(n):
-                if slots.request[s] is None:
-                    r = next(pending, None)
-                    if r is None:
-                        exhausted = True
-                        break
-                    new.append((s, r))
-        if new:
-            with timer:
-                cache, events = _prefill(engine, cache, slots, new)
-            for ev in events:
-                yield ev
-                _drop_if_cancelled(slots, ev, cancelled)
-        active = [r is not None for r in slots.request]
-        if not any(active):
+        free = [s for s in range(n) if slots.request[s] is None]
+        if free and not exhausted:
+            new = []
+            for s in free:
+                r = next(pending, None)
+                if r is None:
+                    exhausted = True
+                    break
+                new.append((s, r))
+            if new:
+                if inflight is not None:  # the host's view must be current before slots change hands
+                    yield from _read(slots, inflight, cancelled, timer)
+                    inflight = None
+                with timer:
+                    cache, events = _prefill(engine, cache, slots, new)
+                for ev in events:
+                    yield ev
+                    _drop_if_cancelled(slots, ev, cancelled)
+                continue  # a prefilled request may already be done, and more slots may be free
+        # The slots the next step runs: those whose request goes on after the step in flight, as far
+        # as counts tell (a stop token is seen only when the step is read).
+        ahead = {s for s, _ in inflight[1]} if inflight is not None else set()
+        rows = [(s, r) for s, r in enumerate(slots.request) if r is not None and not slots.ends_by_count(s, s in ahead)]
+        if not rows:
+            if inflight is not None:
+                yield from _read(slots, inflight, cancelled, timer)
+                inflight = None
+                continue
             if exhausted:
                 return
             continue
+        active = np.zeros(n, bool)
+        active[[s for s, _ in rows]] = True
         with timer:
-            cache, sampled = engine.decode(cache, np.asarray(slots.last, np.int32), np.asarray(active),
-                                           slots.sampling(range(n)))
-            host = jax.device_get(sampled)
-        for s in range(n):
-            if active[s]:
-                ev = _emit(slots, s, host, s)
-                yield ev
-                _drop_if_cancelled(slots, ev, cancelled)
+            last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
+            cache, sampled = engine.decode(cache, last, active, slots.sampling(range(n)))
+        if inflight is not None:
+            yield from _read(slots, inflight, cancelled, timer)
+        inflight = (sampled, rows)
+
+
+def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer") -> Iterator[TokenEvent]:
+    """Read a dispatched decode step's tokens and yield the events of the requests it ran that are
+    still in their slots."""
+    sampled, rows = inflight
+    with timer:
+        host = jax.device_get(sampled)
+    for s, r in rows:
+        if slots.request[s] is r:  # else it ended (stop token, cancellation) after this step was sent
+            ev = _emit(slots, s, host, s)
+            yield ev
+            _drop_if_cancelled(slots, ev, cancelled)
 
 
 class StepTimer:

@@ -112,3 +112,27 @@ def test_max_len_bounds_the_sequence(load_case, engine_for):
 def test_bad_prompts_are_named(load_case, engine_for, prompts, message):
     with pytest.raises(ValueError, match=message):
         generate(load_case("mixed"), prompts, SamplingParams(max_tokens=2), engine=engine_for("mixed"))
+
+
+def test_decode_steps_are_dispatched_before_the_previous_tokens_are_read(load_case, engine_for, monkeypatch):
+    """The scheduler sends step t+1 (fed step t's tokens on the device) before it reads step t, and a
+    request that a stop token ends in step t yields nothing from step t+1; the tokens equal those of
+    one request alone."""
+    from dsjax.engine import scheduler
+
+    model, engine = load_case("mixed"), engine_for("mixed")
+    prompts = [[9, 8, 7], [5, 4, 3, 2]]
+    alone = [generate(model, [p], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[]),
+                      engine=engine)[0].tokens for p in prompts]
+    log = []
+    decode, get = engine.decode, jax.device_get
+    monkeypatch.setattr(engine, "decode", lambda *a: (log.append("decode"), decode(*a))[1])
+    monkeypatch.setattr(scheduler.jax, "device_get", lambda x: (log.append("read"), get(x))[1])
+    stop = alone[0][2]  # request 0 ends at its third token; request 1 runs on
+    res = generate(model, prompts, [SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop]),
+                                    SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[])], engine=engine)
+    assert res[0].tokens == alone[0][:alone[0].index(stop) + 1] and res[0].finish_reason == "stop"
+    assert res[1].tokens == alone[1] and res[1].finish_reason == "length"
+    # prefill read, then decode 1, decode 2, read 1, decode 3, read 2, ...: two decodes before a read
+    assert log[:4] == ["read", "decode", "decode", "read"], log
+    assert log.count("decode") == 5  # 5 steps after the prefill's token; none past max_tokens
