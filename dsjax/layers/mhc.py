@@ -17,7 +17,10 @@ def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:
         return c / (jnp.sum(c, axis=axis, keepdims=True) + eps)
 
     comb = normalise(comb, -2)
-    return jax.lax.fori_loop(0, max(iters - 1, 0), lambda _, c: normalise(normalise(c, -1), -2), comb)
+    # Unrolled: the [.., N, N] rounds fuse into one kernel instead of a device loop of small kernels
+    # per round (about 300 launches per decode step at 4 layers on an H200).
+    return jax.lax.fori_loop(0, max(iters - 1, 0), lambda _, c: normalise(normalise(c, -1), -2), comb,
+                             unroll=True)
 
 
 def collapse(pre_bsn: jax.Array, h_bsnh: jax.Array) -> jax.Array:
