@@ -61,8 +61,13 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("give both --copy-tbps and --matmul-tflops, or neither (then both are measured)")
     if not jax.config.jax_compilation_cache_dir:
         # The per-part split compiles the decode step once more to read its kernels' names; with a
-        # persistent cache that second compile is a lookup.
-        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="dsjax-bench-xla-"))
+        # persistent cache that second compile is a lookup. The cache is this run's only.
+        import atexit
+        import shutil
+
+        cache_dir = tempfile.mkdtemp(prefix="dsjax-bench-xla-")
+        atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if args.model:
         from dsjax.checkpoint.load import load_model
