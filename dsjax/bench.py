@@ -100,7 +100,7 @@ def measure_rates(copy_bytes: int = 2 << 30, n: int = 8192) -> DeviceRates:
 
 
 def _leaves(model: DeepseekV4):
-    """(component, bytes, elements) of every weight variable, layers stacked as stored."""
+    """(component, path, bytes, elements) of every variable, layers stacked as stored."""
     for path, var in nnx.to_flat_state(nnx.state(model)):
         names = [str(p) for p in path]
         if names[0] == "groups":  # ("groups", g, "layers", i, ...) → the layer's own path

@@ -83,19 +83,27 @@ def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array)
     logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     greedy_b = jnp.argmax(logits_bv, axis=-1)
 
-    random_b = params.temperature > 0
-    filtered_b = random_b & ((params.top_k > 0) | (params.top_p < 1))
     # Sorting the vocabulary (2.6 ms per decode step at 128 rows × 129K on an H200) only where a
     # sampled row filters; greedy batches skip the noise as well. The branches agree on every row:
     # each token id owns its noise draw, so the sorted and unsorted maxima pick the same token.
-    sampled_b = jax.lax.cond(
-        jnp.any(random_b),
-        lambda: jax.lax.cond(jnp.any(filtered_b), _sample_filtered, _sample_plain, logits_bv, params, positions_b),
-        lambda: greedy_b.astype(jnp.int32))
+    # (Module-level branches: a fresh closure per call would be traced and compiled again each time.)
+    sampled_b = jax.lax.cond(jnp.any(params.temperature > 0), _sample_random, _sample_none,
+                             logits_bv, params, positions_b)
     token_b = jnp.where(params.temperature == 0, greedy_b, sampled_b).astype(jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logp_bv, min(MAX_LOGPROBS, logp_bv.shape[-1]))
     return Sampled(token=token_b, logprob=jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0],
                    top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+
+
+def _sample_random(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
+    filtered = (params.temperature > 0) & ((params.top_k > 0) | (params.top_p < 1))
+    return jax.lax.cond(jnp.any(filtered), _sample_filtered, _sample_plain, logits_bv, params, positions_b)
+
+
+def _sample_none(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
+    """Every row is greedy: the caller takes the argmax."""
+    del params, positions_b
+    return jnp.zeros(logits_bv.shape[:1], jnp.int32)
 
 
 def _gumbel_bv(params: SamplingArrays, positions_b: jax.Array, vocab: int) -> jax.Array:
