@@ -43,6 +43,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import functools
     import json
     import tempfile
 
@@ -59,16 +60,6 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError(f"must be positive (and --gen-len at least 2): {', '.join(bad) or f'--gen-len {args.gen_len}'}")
     if (args.copy_tbps is None) != (args.matmul_tflops is None):
         raise ValueError("give both --copy-tbps and --matmul-tflops, or neither (then both are measured)")
-    if not jax.config.jax_compilation_cache_dir:
-        # The per-part split compiles the decode step once more to read its kernels' names; with a
-        # persistent cache that second compile is a lookup. The cache is this run's only.
-        import atexit
-        import shutil
-
-        cache_dir = tempfile.mkdtemp(prefix="dsjax-bench-xla-")
-        atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
-        jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if args.model:
         from dsjax.checkpoint.load import load_model
 
@@ -90,8 +81,26 @@ def _bench(args: argparse.Namespace) -> int:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    bench(model, args.batch, args.prompt_len, args.gen_len, kv_dtype=args.kv_dtype, chunk_size=args.chunk_size,
-          breakdown=not args.no_breakdown, rates=rates, seed=args.seed, trace_dir=args.trace_dir, emit=emit)
+    run = functools.partial(bench, model, args.batch, args.prompt_len, args.gen_len, kv_dtype=args.kv_dtype,
+                            chunk_size=args.chunk_size, breakdown=not args.no_breakdown, rates=rates, seed=args.seed,
+                            trace_dir=args.trace_dir, emit=emit)
+    if args.no_breakdown or jax.default_backend() == "cpu" or jax.config.jax_compilation_cache_dir:
+        run()
+        return 0
+    # The per-part split compiles the decode step once more to read its kernels' names; with a
+    # persistent cache (this run's own, removed after it) that second compile is a lookup.
+    import shutil
+
+    cache_dir = tempfile.mkdtemp(prefix="dsjax-bench-xla-")
+    min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        run()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+        shutil.rmtree(cache_dir, ignore_errors=True)
     return 0
 
 

@@ -122,10 +122,17 @@ def test_attribute_trace_maps_kernels_to_parts(tmp_path):
 
 
 def test_run_bench_refuses_recompilation(tiny, monkeypatch):
+    """A measured run that compiled anything is an error (the runs themselves are stubbed here: the
+    CLI test runs them for real)."""
+    runs = []
+    monkeypatch.setattr(B, "_timed_run", lambda engine, requests: runs.append(len(requests)) or (1.0, 1.0, 1))
     calls = iter(range(100))
     monkeypatch.setattr(Engine, "compilations", staticmethod(lambda: next(calls)))
     with pytest.raises(RuntimeError, match="more programs after warm-up"):
         B.run_bench(tiny, 2, 12, 4, chunk_size=8, rates=RATES, breakdown=False)
+    assert runs == [2, 2]  # the warm-up, then the measured run
+    monkeypatch.setattr(Engine, "compilations", staticmethod(lambda: 7))
+    assert B.run_bench(tiny, 2, 12, 4, chunk_size=8, breakdown=False)["compilations_after_warmup"] == 0
 
 
 def test_cli_runs_and_appends_rows(tmp_path, capsys):
