@@ -33,6 +33,31 @@ def put_slots(cache: Cache, part: Cache, slots: jax.Array) -> Cache:
                  groups=jax.tree.map(lambda x, y: x.at[:, slots].set(y), cache.groups, part.groups))
 
 
+class StaticGraph:
+    """A model's graphdef as the steps' static argument: hashed once, and equal to itself at once.
+
+    jit hashes its static arguments on every call, and a V4 graphdef hashes its whole node tree anew
+    each time (about a millisecond, on the host, per decode step). Graphs of equal structure still
+    compare equal, so engines of one model share their compiled steps."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self._hash = hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StaticGraph) and (
+            self is other or (self._hash == other._hash and self.graphdef == other.graphdef))
+
+
+def _graph(graphdef):
+    return graphdef.graphdef if isinstance(graphdef, StaticGraph) else graphdef
+
+
 class Engine:
     """Compiled steps for one model, `num_slots` sequences of up to `max_len` tokens, prefill chunks of
     `chunk_size` tokens. `params` are the model's weights (taken once; steps take them as an argument).
@@ -50,6 +75,7 @@ class Engine:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
         self.graphdef, self.params = nnx.split(model)
+        self._static = StaticGraph(self.graphdef)
         # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
         # context once, so every step would be traced again by the next engine. Import it before.
         import tokamax  # noqa: F401
@@ -73,7 +99,7 @@ class Engine:
     def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
         """Feed each active slot its last token and sample the next; inactive slots are untouched."""
-        return _decode(self.graphdef, self.params, cache, jnp.asarray(last_tokens, jnp.int32),
+        return _decode(self._static, self.params, cache, jnp.asarray(last_tokens, jnp.int32),
                        jnp.asarray(active, bool), sampling)
 
     def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
@@ -103,7 +129,7 @@ class Engine:
             start = np.where(is_prompt, np.minimum(k * c, lengths), current)
             ends_here = is_prompt & (lengths > k * c) & (lengths <= (k + 1) * c)
             cache, sampled = _prefill_chunk(
-                self.graphdef, self.params, cache, jnp.asarray(padded[:, k * c:(k + 1) * c]), slot_ids,
+                self._static, self.params, cache, jnp.asarray(padded[:, k * c:(k + 1) * c]), slot_ids,
                 jnp.asarray(start, jnp.int32), jnp.asarray(n_valid, jnp.int32), sampling)
             out = sampled if out is None else jax.tree.map(
                 lambda new, old: jnp.where(_expand(jnp.asarray(ends_here), new), new, old), sampled, out)
@@ -141,7 +167,7 @@ def _expand(mask_b, like):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling):
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(_graph(graphdef), params)
     start_b = cache.lengths
     hidden_b1h, cache = model.extend(last_tokens_b[:, None], cache, start_b, active_b.astype(jnp.int32))
     logits_bv = model.logits(hidden_b1h)[:, 0]
@@ -150,7 +176,7 @@ def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, sampling):
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(_graph(graphdef), params)
     part = take_slots(cache, slots_n)
     hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n)
     last = jnp.clip(n_valid_n - 1, 0, tokens_nc.shape[1] - 1)
