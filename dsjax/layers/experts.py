@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -10,7 +12,9 @@ from dsjax.config import ModelConfig, QuantConfig
 from dsjax.layers.linear import Linear
 from dsjax.layers.numerics import precision
 from dsjax.layers.variables import Buffer
-from dsjax.quant import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8, ue8m0_to_float
+from dsjax.kernels.expert_matmul.op import expert_matmul
+from dsjax.kernels.expert_matmul.reference import dequantized
+from dsjax.quant import quantize_fp4, quantize_fp8, ue8m0_to_float
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -37,7 +41,9 @@ class RoutedExperts(nnx.Module):
     `down_proj [E, I, H]`.
 
     A quantized config keeps the checkpoint's `[E, out, in]` storage instead, FP8 blocks or FP4 (int8,
-    two codes per byte along `in`), with `*_scale_inv`; each call dequantizes the layer's experts.
+    two codes per byte along `in`), with `*_scale_inv`. The grouped matmul takes them as stored
+    (`kernels/expert_matmul`): on GPUs a kernel reads only the touched experts' codes; elsewhere, and
+    for many rows per expert, the experts are dequantized first.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
@@ -67,8 +73,8 @@ class RoutedExperts(nnx.Module):
 
     def __call__(self, x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array) -> jax.Array:
         """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])`: pairs sorted by expert, two grouped matmuls."""
-        return grouped_mlp(x_nh, weights_nk, idx_nk, self.expert_weights("gate_up_proj", x_nh.dtype),
-                           self.expert_weights("down_proj", x_nh.dtype), self.cfg)
+        return grouped_mlp(x_nh, weights_nk, idx_nk, *(matmul_experts(*self.stored(name), self.storage, self.cfg)
+                                                       for name in ("gate_up_proj", "down_proj")), self.cfg)
 
 
 def dense_experts(w: jax.Array, scale: jax.Array | None, storage: str | None, cfg: ModelConfig,
@@ -77,29 +83,61 @@ def dense_experts(w: jax.Array, scale: jax.Array | None, storage: str | None, cf
     → `[E, in, out]` in `dtype`. Works on any slice of the expert axis."""
     if storage is None:
         return w.astype(dtype)
-    if storage == "fp4":
-        w = dequantize_fp4(w, scale, dtype)
-    else:
-        w = dequantize_fp8(w, scale, dtype, tuple(cfg.quantization.weight_block_size))
-    return jnp.swapaxes(w, -1, -2)
+    return dequantized(w, scale, storage, dtype, tuple(cfg.quantization.weight_block_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredExperts:
+    """Stacked experts as a quantized checkpoint stores them, for the grouped matmul: `w [E, out, in]`
+    e4m3 (or `[E, out, in/2]` packed e2m1) and its scales. Any slice of the expert axis."""
+
+    w: jax.Array
+    scale: jax.Array
+    storage: str
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """`(E, in, out)`, as a float `[E, in, out]` array of the same experts has."""
+        e, out, width = self.w.shape
+        return e, width * (2 if self.storage == "fp4" else 1), out
+
+
+def matmul_experts(w: jax.Array, scale: jax.Array | None, storage: str | None,
+                   cfg: ModelConfig) -> jax.Array | StoredExperts:
+    """Experts as stored → the operand `grouped_mlp` takes: float experts as they are (`[E, in, out]`),
+    quantized ones as `StoredExperts` (never dequantized whole where a kernel reads them)."""
+    if storage is None:
+        return w
+    return StoredExperts(w, scale, storage, tuple(cfg.quantization.weight_block_size))
+
+
+def _grouped_matmul(x_ph: jax.Array, experts: jax.Array | StoredExperts, group_sizes: jax.Array,
+                    cfg: ModelConfig) -> jax.Array:
+    import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
+
+    if isinstance(experts, StoredExperts):
+        return expert_matmul(x_ph, experts.w, experts.scale, group_sizes, experts.storage, experts.block,
+                             kernels=cfg.kernels)
+    return tokamax.ragged_dot(x_ph, experts.astype(x_ph.dtype), group_sizes, precision=precision(x_ph),
+                              preferred_element_type=x_ph.dtype)
 
 
 _ROW_TILE = 8
 
 
-def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array, gate_up_eio: jax.Array,
-                down_eio: jax.Array, cfg: ModelConfig, first_expert: jax.Array | int = 0,
+def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array,
+                gate_up_eio: jax.Array | StoredExperts, down_eio: jax.Array | StoredExperts, cfg: ModelConfig, first_expert: jax.Array | int = 0,
                 tp_axis: str | None = None) -> jax.Array:
     """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])` over the experts `[first_expert, first_expert + E')`
-    whose weights are given (E' = gate_up_eio.shape[0]); pairs routed elsewhere contribute nothing.
+    whose weights are given (E' = gate_up_eio.shape[0]; float `[E', in, out]` or `StoredExperts`); pairs
+    routed elsewhere contribute nothing.
     Pairs are sorted by expert (the others last) and run through two grouped matmuls, dropless.
 
     Inside a shard_map whose `tp_axis` splits the FFN width, the weights are this device's slice of
     gate_up's `[gate | up]` columns and of down's rows, and the result is a partial sum over `tp_axis`.
     The gate and up columns a device needs sit on different devices of that split, so the gate_up
     outputs are all-gathered over `tp_axis` before the SwiGLU."""
-    import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
-
     n, k = idx_nk.shape
     e_local = gate_up_eio.shape[0]
     local_e = idx_nk.reshape(-1) - first_expert
@@ -110,8 +148,7 @@ def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array, gate_
     x_ph = jnp.take(x_nh, order // k, axis=0)
     # tokamax's Mosaic GPU kernel tiles the rows by 8: pad them (the padding belongs to no group).
     x_ph = jnp.pad(x_ph, ((0, -x_ph.shape[0] % _ROW_TILE), (0, 0)))
-    gate_up_p = tokamax.ragged_dot(x_ph, gate_up_eio, group_sizes, precision=precision(x_ph),
-                                   preferred_element_type=x_nh.dtype)
+    gate_up_p = _grouped_matmul(x_ph, gate_up_eio, group_sizes, cfg)
     inter = cfg.moe_intermediate_size
     width = down_eio.shape[1]  # this device's share of the FFN width (all of it without tp)
     start = 0
@@ -121,8 +158,7 @@ def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array, gate_
     gate_p = jax.lax.dynamic_slice_in_dim(gate_up_p, start, width, axis=1)
     up_p = jax.lax.dynamic_slice_in_dim(gate_up_p, inter + start, width, axis=1)
     act_p = clamped_swiglu(gate_p, up_p, cfg.swiglu_limit)
-    y_ph = tokamax.ragged_dot(act_p, down_eio, group_sizes, precision=precision(act_p),
-                              preferred_element_type=x_nh.dtype)
+    y_ph = _grouped_matmul(act_p, down_eio, group_sizes, cfg)
     y_ph = y_ph[: n * k] * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
     y_ph = jnp.where(jnp.take(mine, order)[:, None], y_ph, 0)  # rows past the groups are not defined
     y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsjax.layers.experts import RoutedExperts, dense_experts, grouped_mlp
+from dsjax.layers.experts import RoutedExperts, grouped_mlp, matmul_experts
 from dsjax.parallel.rules import declared_axes, mesh_axes, spec_of
 
 _LEAVES = ("gate_up_proj", "down_proj")
@@ -49,8 +49,8 @@ class _Local:
         """`grouped_mlp` over this device's experts (and FFN slice: summed over tp by the caller)."""
         e, cfg = self.experts, self.experts.cfg
         gate_up_scale, down_scale = scales or (None, None)
-        return grouped_mlp(x_nh, weights_nk, idx_nk, dense_experts(gate_up, gate_up_scale, e.storage, cfg, x_nh.dtype),
-                           dense_experts(down, down_scale, e.storage, cfg, x_nh.dtype), cfg,
+        return grouped_mlp(x_nh, weights_nk, idx_nk, matmul_experts(gate_up, gate_up_scale, e.storage, cfg),
+                           matmul_experts(down, down_scale, e.storage, cfg), cfg,
                            first_expert=self.first_expert(), tp_axis=self.tp)
 
 

@@ -47,3 +47,31 @@ def test_duplicate_and_unused_experts(load_case):
     both = np.asarray(experts(x, w, idx))
     one = np.asarray(experts(x, w.sum(-1, keepdims=True), idx[:, :1]))
     np.testing.assert_allclose(both, one, rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.parametrize("kernels", ["auto", "interpret"])
+@pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
+def test_quantized_routed_experts_match_dequantized_matmul(expert_dtype, kernels):
+    """RoutedExperts on low-precision storage (through the reference, or the interpreted GPU kernel)
+    gives what the experts dequantized to bf16 first give, up to the order of the fp32 sums."""
+    from flax import nnx
+
+    from dsjax.config import ModelConfig, QuantConfig
+    from dsjax.layers.experts import RoutedExperts, dense_experts, grouped_mlp
+
+    quant = QuantConfig(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype=expert_dtype)
+    cfg = ModelConfig.preset("tiny").replace(quantization=quant, hidden_size=128, moe_intermediate_size=128,
+                                             kernels=kernels)
+    experts = RoutedExperts(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((11, 128)), jnp.bfloat16)
+    idx = jnp.asarray(np.argsort(rng.random((11, cfg.n_routed_experts)), -1)[:, :2], jnp.int32)
+    w = jnp.asarray(rng.random((11, 2)), jnp.float32)
+    dense = [dense_experts(*experts.stored(n), expert_dtype, cfg, jnp.bfloat16) for n in ("gate_up_proj", "down_proj")]
+    got = np.asarray(experts(x, w, idx), np.float32)
+    want = np.asarray(grouped_mlp(x, w, idx, *dense, cfg.replace(kernels="reference")), np.float32)
+    if kernels == "auto":  # the reference on CPU: the very same computation
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())

@@ -24,25 +24,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dsjax.kernels.fp16 import fp16_rows
 from dsjax.kernels.rows import load_piece, row_pieces, storage
 from dsjax.layers.numerics import precision
 from dsjax.quant import PackedKV
-
-
-def _pow2(exponent):
-    """2^exponent as fp32, exactly, for int32 exponents in [-126, 127]."""
-    return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
-
-
-def fp16_rows(pieces_hc: dict) -> tuple[dict, jax.Array]:
-    """Column pieces of the same rows as fp16, and `2^-s_h`: each row scaled by the power of two `2^s_h`
-    that puts its largest magnitude in [2^14, 2^15), so that bf16 values convert to fp16 without
-    overflow or rounding (but for those below 2^-28 of their row's largest: fp16 subnormals)."""
-    pieces_hc = {c: x.astype(jnp.float32) for c, x in pieces_hc.items()}
-    max_h = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in pieces_hc.values()])
-    biased_h = (jax.lax.bitcast_convert_type(max_h, jnp.int32) >> 23) & 0xFF
-    shift_h = jnp.clip(127 + 14 - biased_h, -126, 126)
-    return {c: (x * _pow2(shift_h)[:, None]).astype(jnp.float16) for c, x in pieces_hc.items()}, _pow2(-shift_h)
 
 
 def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_t, tiles, pieces, n_rows):

@@ -1,0 +1,38 @@
+"""The pure-JAX reference of the grouped matmul over low-precision experts (and the fallback where no
+kernel applies): the experts dequantized to the activations' dtype, then one grouped matmul.
+
+`x [P, K]` holds rows sorted by expert: the first `group_sizes[0]` rows go to expert 0, the next
+`group_sizes[1]` to expert 1, and so on; rows past `Σ group_sizes` belong to no expert and their
+results are undefined. Experts are stored as `layers.experts.RoutedExperts` holds them:
+`[E, N, K]` e4m3 with block scales, or `[E, N, K/2]` packed e2m1 with a ue8m0 scale per 32 inputs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.layers.numerics import precision
+from dsjax.quant import dequantize_fp4, dequantize_fp8
+
+
+def dequantized(w_enk: jax.Array, scale: jax.Array, storage: str, dtype,
+                block: tuple[int, int] = (128, 128)) -> jax.Array:
+    """Stored experts → `[E, K, N]` in `dtype` (each weight rounded once, as the checkpoint's reader does)."""
+    if storage == "fp4":
+        w = dequantize_fp4(w_enk, scale, dtype)
+    elif storage == "fp8":
+        w = dequantize_fp8(w_enk, scale, dtype, block)
+    else:
+        raise ValueError(f"expert storage must be 'fp8' or 'fp4', got {storage!r}")
+    return jnp.swapaxes(w, -1, -2)
+
+
+def expert_matmul_reference(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
+                            storage: str, block: tuple[int, int] = (128, 128)) -> jax.Array:
+    """`y[p] = x[p] @ W_{expert(p)}ᵀ` in x's dtype (fp32 sums), for the stored experts `w_enk`."""
+    import tokamax  # imported on first use: `dsjax info` never needs it
+
+    w_ekn = dequantized(w_enk, scale, storage, x_pk.dtype, block)
+    return tokamax.ragged_dot(x_pk, w_ekn, group_sizes_e.astype(jnp.int32), precision=precision(x_pk),
+                              preferred_element_type=x_pk.dtype)

@@ -1,0 +1,109 @@
+"""The grouped matmul over FP8/FP4 experts: the Pallas kernel (interpreted) against the reference on
+random inputs, its tiling of the groups, its CUDA lowering, and what it refuses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsjax.export import abstract_device, disabled_checks
+from dsjax.kernels.expert_matmul.gpu import expert_matmul_gpu, group_tiles
+from dsjax.kernels.expert_matmul.op import expert_matmul
+from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
+from dsjax.quant import quantize_fp4, quantize_fp8
+
+
+def experts(storage: str, e: int, n: int, k: int, seed: int = 0):
+    """Random experts `[E, N, K]` quantized as the checkpoint stores them, with a wide spread of scales."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((e, n, k)) * np.logspace(-4, 0, k)[None, None, rng.permutation(k)]
+    w = jnp.asarray(w, jnp.float32)
+    return quantize_fp4(w) if storage == "fp4" else quantize_fp8(w, (128, 128), "ue8m0")
+
+
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+@pytest.mark.parametrize("sizes,extra", [
+    ([3, 0, 17, 1, 6], 0),     # an empty group, a group over two tiles
+    ([0, 0, 40, 0, 0], 5),     # one group of three tiles; rows routed to no group after it
+    ([1, 1, 1, 1, 1], 11),
+])
+def test_kernel_matches_reference(storage, sizes, extra):
+    e, n, k = len(sizes), 128, 256
+    q, s = experts(storage, e, n, k, seed=len(sizes) + extra)
+    p = sum(sizes) + extra
+    x = jnp.asarray(np.random.default_rng(extra).standard_normal((p, k)) * 3, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(expert_matmul_gpu(x, q, s, group_sizes, storage, interpret=True), np.float32)[:sum(sizes)]
+    want = np.asarray(expert_matmul_reference(x, q, s, group_sizes, storage), np.float32)[:sum(sizes)]
+    # Every product is exact in both; the fp32 sums run in another order, then round to bf16.
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+
+
+def test_group_tiles_cover_every_grouped_row_once():
+    sizes = jnp.asarray([3, 0, 17, 1, 0, 33], jnp.int32)
+    group, row0, rows = (np.asarray(a) for a in group_tiles(sizes, 60, 16))
+    assert len(group) == -(-60 // 16) + 6
+    covered = np.concatenate([np.arange(r, r + c) for r, c in zip(row0, rows) if c])
+    np.testing.assert_array_equal(np.sort(covered), np.arange(54))
+    owner = np.repeat(np.arange(6), np.asarray(sizes))
+    for g, r, c in zip(group, row0, rows):
+        assert c == 0 or set(owner[r:r + c]) == {g}
+        assert 0 <= c <= 16
+
+
+def test_op_falls_back_to_the_reference_for_many_rows_per_expert():
+    """Past 64 rows per expert the kernel would read every expert's codes again and again: the op
+    dequantizes once instead (lowered for cuda, no kernel call)."""
+    q, s = experts("fp8", 2, 128, 128)
+    group_sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+    def lowered(rows):
+        fn = jax.jit(lambda x, g: expert_matmul(x, q, s, g, "fp8"))
+        h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
+        with jax.sharding.use_abstract_mesh(h200):
+            return jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
+                jax.ShapeDtypeStruct((rows, 128), jnp.bfloat16), group_sizes).mlir_module()
+
+    assert "dsjax_expert_matmul" in lowered(128)
+    assert "dsjax_expert_matmul" not in lowered(129)
+
+
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_lowers_for_cuda(storage):
+    q, s = experts(storage, 4, 128, 256)
+    fn = jax.jit(lambda x, g: expert_matmul_gpu(x, q, s, g, storage))
+    h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
+            jax.ShapeDtypeStruct((24, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)).mlir_module()
+    assert "dsjax_expert_matmul" in text
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda x, q, s: (x.astype(jnp.float32), q, s, "fp8"), "activations must be bf16"),
+    (lambda x, q, s: (x, q, s.astype(jnp.float32), "fp8"), "ue8m0"),
+    (lambda x, q, s: (x[:, :128], q, s, "fp8"), "do not tile"),
+    (lambda x, q, s: (x, q, s, "int4"), "storage must be"),
+    (lambda x, q, s: (x, q[:, :, :64].view(jnp.int8), s, "fp4"), "do not match"),
+])
+def test_refuses_what_it_does_not_take_with_a_clear_error(change, message):
+    q, s = experts("fp8", 2, 128, 256)
+    x = jnp.ones((8, 256), jnp.bfloat16)
+    x, q, s, storage = change(x, q, s)
+    with pytest.raises(ValueError, match=message):
+        expert_matmul_gpu(x, q, s, jnp.asarray([4, 4], jnp.int32), storage, interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_native_kernel_matches_reference(storage):
+    """Compiled by Triton the kernel must still agree (the interpreter cannot show a lowering's bugs):
+    V4-Flash's expert widths, a decode step's worth of rows."""
+    e, n, k = 16, 512, 4096
+    q, s = experts(storage, e, n, k)
+    rng = np.random.default_rng(1)
+    sizes = jnp.asarray(rng.multinomial(96, np.ones(e) / e), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((96, k)), jnp.bfloat16)
+    got = np.asarray(expert_matmul_gpu(x, q, s, sizes, storage), np.float32)
+    want = np.asarray(expert_matmul_reference(x, q, s, sizes, storage), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
