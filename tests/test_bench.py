@@ -137,12 +137,12 @@ def test_run_bench_refuses_recompilation(tiny, monkeypatch):
 
 def test_cli_runs_and_appends_rows(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
-    args = ["bench", "--preset", "tiny", "--batch", "2", "--prompt-len", "12", "--gen-len", "4",
+    args = ["bench", "--preset", "tiny", "--layers", "2", "--batch", "2", "--prompt-len", "12", "--gen-len", "4",
             "--chunk-size", "8", "--copy-tbps", "1", "--matmul-tflops", "100", "--json", str(out)]
     assert main(args) == 0
-    main(args[:-2])  # a second run without --json appends nothing
+    main(args[:-2])  # a second run without --json appends nothing (its steps are compiled already)
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["model"] == "tiny" and row["batch"] == 2 and row["decode_steps"] == 3
+    assert row["model"] == "tiny" and row["batch"] == 2 and row["decode_steps"] == 3 and row["layers"] == 2
     assert row["decode_tokens_per_s"] == pytest.approx(2 * row["decode_tokens_per_s_per_seq"])
     assert row["prefill_tokens_per_s"] == pytest.approx(24 / row["prefill_s"])
     assert 0 < row["decode_of_roofline"] and row["roofline_decode_step_s"] > 0
