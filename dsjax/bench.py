@@ -28,9 +28,9 @@ from flax import nnx
 
 from dsjax.cache import layer_cache
 from dsjax.config import CSA, HCA, ModelConfig
-from dsjax.engine.sampling import SamplingParams
+from dsjax.engine.sampling import SamplingArrays, SamplingParams
 from dsjax.engine.scheduler import Request, run
-from dsjax.engine.steps import Engine, _decode
+from dsjax.engine.steps import Engine
 from dsjax.info import component
 from dsjax.model import DeepseekV4
 from dsjax.quantize import V4_QUANT
@@ -81,22 +81,47 @@ class DeviceRates:
         return max(n_bytes / self.copy_bytes_per_s, flops / self.matmul_flops_per_s)
 
 
-def measure_rates(copy_bytes: int = 2 << 30, n: int = 8192) -> DeviceRates:
-    """The default device's copy bandwidth and bf16 matmul rate, each the best of a few timed runs."""
-    copy = jax.jit(lambda x: x + 1)  # reads and writes every byte once
-    x = jnp.zeros((copy_bytes // 2,), jnp.bfloat16)
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a: a @ a)
-    out = {}
-    for name, fn, arg, amount in (("copy", copy, x, 2 * copy_bytes), ("mm", mm, a, 2 * n ** 3)):
+def _best_seconds(fn, arg, runs: int = 5) -> float:
+    jax.block_until_ready(fn(arg))
+    best = math.inf
+    for _ in range(runs):
+        t0 = time.perf_counter()
         jax.block_until_ready(fn(arg))
-        best = math.inf
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(arg))
-            best = min(best, time.perf_counter() - t0)
-        out[name] = amount / best
-    return DeviceRates(out["copy"], out["mm"])
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
+    """Bytes per second (read plus written) of a device-to-device copy on the default device: PyTorch's
+    copy (a DMA-engine memcpy, the fastest copy measured on the H200: 4.28 TB/s) where PyTorch has CUDA,
+    else an XLA elementwise pass over `n_bytes`, which reaches less; the best of a few runs."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            a, b = (torch.empty(n_bytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+            for _ in range(3):
+                b.copy_(a)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                b.copy_(a)
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1e3 / 10
+            del a, b
+            torch.cuda.empty_cache()
+            return 2 * n_bytes / seconds
+    except ImportError:
+        pass
+    x = jnp.zeros((n_bytes // 2,), jnp.bfloat16)
+    return 2 * n_bytes / _best_seconds(jax.jit(lambda x: x + 1), x)  # reads and writes every byte once
+
+
+def measure_rates(copy_bytes: int = 2 << 30, n: int = 8192) -> DeviceRates:
+    """The default device's copy bandwidth (`copy_bandwidth`) and bf16 matmul rate (best of a few runs)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    return DeviceRates(copy_bandwidth(copy_bytes), 2 * n ** 3 / _best_seconds(jax.jit(lambda a: a @ a), a))
 
 
 def _leaves(model: DeepseekV4):
@@ -324,8 +349,6 @@ def decode_breakdown(engine: Engine, batch: int, context: int, steps: int = 8, s
     cache whose slots all hold `context` tokens, fed random tokens (the hash routers pick experts by
     token id: equal tokens would touch few experts). Cache contents are zeros: the work does not
     depend on them. `trace_dir` keeps the profiler trace (for Perfetto or TensorBoard)."""
-    from dsjax.engine.sampling import SamplingArrays
-
     if jax.default_backend() == "cpu":  # XLA:CPU's traces have no kernel events to attribute
         return {}
     cache = engine.new_cache()
@@ -336,7 +359,7 @@ def decode_breakdown(engine: Engine, batch: int, context: int, steps: int = 8, s
     sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * batch, [0] * batch)
     cache, _ = engine.decode(cache, tokens[-1], active, sampling)  # compiled already; warms the caches
     jax.block_until_ready(cache)
-    lowered = _decode.lower(engine.graphdef, engine.params, cache, tokens[0], active, sampling)
+    lowered = engine.lower_decode(cache, tokens[0], active, sampling)
     # On GPUs XLA replays runs of kernels as CUDA graphs, whose kernels the trace names only by their
     # graph; compiled without them, every kernel carries its HLO instruction. Kernel times are the same.
     options = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsjax.bench import copy_bandwidth
 from dsjax.config import CSA, HCA, ModelConfig
 from dsjax.quant import FP8, KV_FP8_GROUP, FP4_GROUP, PackedKV
 
@@ -62,37 +63,6 @@ def timed(fn, make_sets, shared=(), few: int = 8, many: int = 24, repeats: int =
             samples.append(time.perf_counter() - t0)
         times[n] = min(samples)  # host jitter only ever adds time
     return max(times[many] - times[few], 1e-9) / (many - few)
-
-
-def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
-    """Bytes per second of a device-to-device copy (bytes read plus bytes written): PyTorch's copy (a
-    DMA-engine memcpy) where PyTorch has CUDA, else XLA's elementwise copy, which reaches less."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            a, b = torch.empty(n_bytes, dtype=torch.uint8, device="cuda"), torch.empty(n_bytes, dtype=torch.uint8,
-                                                                                       device="cuda")
-            for _ in range(3):
-                b.copy_(a)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                b.copy_(a)
-            end.record()
-            torch.cuda.synchronize()
-            seconds = start.elapsed_time(end) / 1e3 / 10
-            del a, b
-            torch.cuda.empty_cache()
-            return 2 * n_bytes / seconds
-    except ImportError:
-        pass
-    n = n_bytes // 2
-
-    def make(i):
-        return (jax.random.normal(jax.random.key(i), (n // 1024, 1024), jnp.bfloat16),)
-
-    return 2 * n * 2 / timed(lambda x: x * 2, make, few=2, many=6)
 
 
 def random_rows(key, shape, kv_dtype: str, rope_dim: int):

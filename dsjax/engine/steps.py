@@ -102,6 +102,13 @@ class Engine:
         return _decode(self._static, self.params, cache, jnp.asarray(last_tokens, jnp.int32),
                        jnp.asarray(active, bool), sampling)
 
+    def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
+                     sampling: SamplingArrays) -> jax.stages.Lowered:
+        """The decode step lowered for these arguments (to compile with other options, or inspect);
+        its compiled form takes `(self.params, cache, last_tokens, active, sampling)`."""
+        return _decode.lower(self._static, self.params, cache, jnp.asarray(last_tokens, jnp.int32),
+                             jnp.asarray(active, bool), sampling)
+
     def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
                 sampling: SamplingArrays, pad_slots: Sequence[int] = ()) -> tuple[Cache, Sampled]:
         """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token.
