@@ -7,7 +7,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from tests import CPU_TEST_FLAGS  # noqa: E402
+
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=4 {CPU_TEST_FLAGS}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

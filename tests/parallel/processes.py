@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests import CPU_TEST_FLAGS
+
 ROOT = Path(__file__).resolve().parents[2]
 # jax's own variables for a distributed run: a test's processes get only what it gives them.
 _DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
@@ -24,7 +26,8 @@ def free_port() -> int:
 def process_env(local_devices: int, **extra: str) -> dict[str, str]:
     """The environment of one process: `local_devices` CPU devices, no inherited distributed settings."""
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}", JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices} {CPU_TEST_FLAGS}",
+               JAX_PLATFORMS="cpu")
     env.update(extra)
     return env
 
