@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     if sweep:
         print(f"{'format':>6} {'tokens':>7} {'ms':>8} {'of copy BW':>11}  gate_up kernel alone, tiling")
         for r in sweep:
-            print(f"{r['format']:>6} {r['tokens']:>7} {r['ms']:>8.3f} {r['of_copy_bw']:>10.1%}  {json.dumps(r['tiling'])}")
+            print(f"{r['format']:>6} {r['tokens']:>7} {r['ms']:>8.3f} {r['of_copy_bw']:>10.1%}  "
+                  f"{json.dumps(r['tiling'])}")
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

@@ -114,11 +114,11 @@ def matmul_experts(w: jax.Array, scale: jax.Array | None, storage: str | None,
 
 def _grouped_matmul(x_ph: jax.Array, experts: jax.Array | StoredExperts, group_sizes: jax.Array,
                     cfg: ModelConfig) -> jax.Array:
-    import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
-
     if isinstance(experts, StoredExperts):
         return expert_matmul(x_ph, experts.w, experts.scale, group_sizes, experts.storage, experts.block,
                              kernels=cfg.kernels)
+    import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
+
     return tokamax.ragged_dot(x_ph, experts.astype(x_ph.dtype), group_sizes, precision=precision(x_ph),
                               preferred_element_type=x_ph.dtype)
 
@@ -127,8 +127,8 @@ _ROW_TILE = 8
 
 
 def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array,
-                gate_up_eio: jax.Array | StoredExperts, down_eio: jax.Array | StoredExperts, cfg: ModelConfig, first_expert: jax.Array | int = 0,
-                tp_axis: str | None = None) -> jax.Array:
+                gate_up_eio: jax.Array | StoredExperts, down_eio: jax.Array | StoredExperts, cfg: ModelConfig,
+                first_expert: jax.Array | int = 0, tp_axis: str | None = None) -> jax.Array:
     """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])` over the experts `[first_expert, first_expert + E')`
     whose weights are given (E' = gate_up_eio.shape[0]; float `[E', in, out]` or `StoredExperts`); pairs
     routed elsewhere contribute nothing.

@@ -21,7 +21,8 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_siz
     """`reference.expert_matmul_reference`'s result, by the kernel `kernels` selects for the platform."""
     reference = functools.partial(expert_matmul_reference, x_pk, w_enk, scale, group_sizes_e, storage, block)
     gpu = ()
-    if (storage == "fp4" or tuple(block) == (128, 128)) and x_pk.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT * w_enk.shape[0]:
+    few_rows = x_pk.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT * w_enk.shape[0]
+    if few_rows and (storage == "fp4" or tuple(block) == (128, 128)):
         gpu = lambda interpret: expert_matmul_gpu(x_pk, w_enk, scale, group_sizes_e, storage,  # noqa: E731
                                                   interpret=interpret)
     return dispatch(reference, kernels=kernels, gpu=gpu)
