@@ -40,9 +40,13 @@ def ue8m0_to_float(scale) -> jnp.ndarray:
         scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
     if scale.dtype != jnp.uint8:
         return scale.astype(jnp.float32)
-    b = scale.astype(jnp.uint32)
-    bits = jnp.where(b == 0, jnp.uint32(0x00400000), b << 23)  # b = 0: the subnormal 2^-127
-    bits = jnp.where(b == 255, jnp.uint32(0x7FC00000), bits)
+    return ue8m0_bytes_to_float(scale.astype(jnp.uint32))
+
+
+def ue8m0_bytes_to_float(b) -> jnp.ndarray:
+    """ue8m0 byte values held in 32-bit integers (uint32, or int32 in 0-255) → fp32 2^(b−127)."""
+    bits = jnp.where(b == 0, jnp.asarray(0x00400000, b.dtype), b << 23)  # b = 0: the subnormal 2^-127
+    bits = jnp.where(b == 255, jnp.asarray(0x7FC00000, b.dtype), bits)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 

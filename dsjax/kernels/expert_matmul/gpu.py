@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsjax.kernels.fp16 import fp16_rows
-from dsjax.quant import FP4_GROUP, ue8m0_to_float
+from dsjax.quant import FP4_GROUP, ue8m0_bytes_to_float, ue8m0_to_float
 
 _FP8_BLOCK = 128
 
@@ -52,17 +52,14 @@ def group_tiles(group_sizes_e: jax.Array, n_rows: int, block_m: int) -> tuple[ja
     return g_c, offsets[g_c] + j * block_m, rows
 
 
-def _e2m1_as_fp16(code):
-    """e2m1 codes (the low four bits of int32s) → fp16 `e2m1 · 2^-14`, exactly, by placing the bits."""
-    bits = ((code & 8) << 12) | ((code & 7) << 9)
+def _fp16_of_bits(bits):
+    """The low 16 bits of int32s as fp16."""
     return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
 
 
-def _ue8m0(byte):
-    """ue8m0 bytes (int32) → fp32 `2^(b-127)` (b = 0: the subnormal 2^-127; 255: NaN)."""
-    bits = jnp.where(byte == 0, 0x00400000, byte << 23)
-    bits = jnp.where(byte == 255, 0x7FC00000, bits)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+def _e2m1_as_fp16(code):
+    """e2m1 codes (the low four bits of int32s) → fp16 `e2m1 · 2^-14`, exactly, by placing the bits."""
+    return _fp16_of_bits(((code & 8) << 12) | ((code & 7) << 9))
 
 
 def _e4m3_pair_as_fp16(pair):
@@ -72,8 +69,7 @@ def _e4m3_pair_as_fp16(pair):
     int32: V4-Flash's gate_up experts hold 2^32 bytes, and reading them as bytes went out of bounds."""
     first = ((pair & 0x80) << 8) | ((pair & 0x7F) << 7)
     second = (pair & 0x8000) | ((pair >> 1) & 0x3F80)
-    as_fp16 = lambda bits: jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)  # noqa: E731
-    return as_fp16(first), as_fp16(second)
+    return _fp16_of_bits(first), _fp16_of_bits(second)
 
 
 def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, *refs, storage, block_m, block_n,
@@ -105,7 +101,7 @@ def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, *refs, sto
                     + jnp.dot(odd, w_odd.T, preferred_element_type=f32))
             if storage == "fp8":
                 return acc + part * s_ref[g, n0 // _FP8_BLOCK, kb]
-            scale_n = _ue8m0(s_ref[g, pl.ds(n0, block_n), kb].astype(jnp.int32) & 0xFF)
+            scale_n = ue8m0_bytes_to_float(s_ref[g, pl.ds(n0, block_n), kb].astype(jnp.int32) & 0xFF)
             return acc + part * scale_n[None, :]
 
         acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((block_m, block_n), f32))
