@@ -21,6 +21,7 @@ from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import HyperHead
 from dsjax.layers.norms import RMSNorm
 from dsjax.layers.numerics import einsum
+from dsjax.stacked import READ_IN_PLACE, StackedSlice
 
 _MAX_PERIOD = 4
 
@@ -72,33 +73,53 @@ class StackedLayers(nnx.Module):
             for attn, mlp in group.pattern
         ])
 
+    def _scanned(self):
+        """`(layers_at, state)`: the scan slices `state` over the repeats, and `layers_at(i, state slice)`
+        is the pattern's layers of repeat i. Weights marked `READ_IN_PLACE` are not in `state`: the
+        layers get them as `StackedSlice`s of the whole stack (`dsjax.stacked`)."""
+        graphdef, in_place, state = nnx.split(self.layers, _read_in_place, ...)
+
+        def layers_at(index, layer_state):
+            return nnx.merge(graphdef, layer_state, jax.tree.map(lambda w: StackedSlice(w, index), in_place))
+
+        return layers_at, state
+
     def __call__(self, h_bsnh, positions_bs, token_ids_bs, record: bool = False):
         """The streams after the group, and (with `record`) one dict of intermediates per pattern
         position, each value stacked over the repeats."""
-        graphdef, state = nnx.split(self.layers)
+        layers_at, state = self._scanned()
 
-        def body(h, layer_state):
+        def body(carry, layer_state):
+            h, index = carry
             records = []
-            for layer in nnx.merge(graphdef, layer_state):
+            for layer in layers_at(index, layer_state):
                 records.append({} if record else None)
                 h = layer(h, positions_bs, token_ids_bs, records[-1])
-            return h, records if record else None
+            return (h, index + 1), records if record else None
 
-        return jax.lax.scan(body, h_bsnh, state)
+        (h_bsnh, _), records = jax.lax.scan(body, (h_bsnh, jnp.int32(0)), state)
+        return h_bsnh, records
 
     def extend(self, h_bcnh, token_ids_bc, start_b, n_valid_b, caches: tuple):
         """Cached form: `caches[p]` is pattern position p's LayerCache stacked over the repeats."""
-        graphdef, state = nnx.split(self.layers)
+        layers_at, state = self._scanned()
 
-        def body(h, xs):
+        def body(carry, xs):
+            h, index = carry
             layer_state, layer_caches = xs
             new = []
-            for layer, cache in zip(nnx.merge(graphdef, layer_state), layer_caches):
+            for layer, cache in zip(layers_at(index, layer_state), layer_caches):
                 h, cache = layer.extend(h, token_ids_bc, start_b, n_valid_b, cache)
                 new.append(cache)
-            return h, tuple(new)
+            return (h, index + 1), tuple(new)
 
-        return jax.lax.scan(body, h_bcnh, (state, caches))
+        (h_bcnh, _), caches = jax.lax.scan(body, (h_bcnh, jnp.int32(0)), (state, caches))
+        return h_bcnh, caches
+
+
+def _read_in_place(path, var) -> bool:
+    del path
+    return bool(isinstance(var, nnx.Variable) and var.get_metadata().get(READ_IN_PLACE, False))
 
 
 class Embedding(nnx.Module):

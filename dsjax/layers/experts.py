@@ -15,6 +15,7 @@ from dsjax.layers.variables import Buffer
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import dequantized
 from dsjax.quant import quantize_fp4, quantize_fp8, ue8m0_to_float
+from dsjax.stacked import READ_IN_PLACE, StackedSlice, as_array
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -59,11 +60,13 @@ class RoutedExperts(nnx.Module):
                 continue
             q, s = quantize_experts(w, quant)
             axes_oi = ("expert", *axes_io[::-1])  # stored [E, out, in], and so is the scale grid
-            setattr(self, name, nnx.Param(q, axes=axes_oi))
-            setattr(self, f"{name}_scale_inv", Buffer(s, axes=axes_oi))
+            # The expert kernel reads a layer group's stacked codes in place (`dsjax.stacked`).
+            setattr(self, name, nnx.Param(q, axes=axes_oi, **{READ_IN_PLACE: True}))
+            setattr(self, f"{name}_scale_inv", Buffer(s, axes=axes_oi, **{READ_IN_PLACE: True}))
 
-    def stored(self, name: str) -> tuple[jax.Array, jax.Array | None]:
-        """`gate_up_proj` or `down_proj` as stored, with its scales (None for float experts)."""
+    def stored(self, name: str) -> tuple[jax.Array | StackedSlice, jax.Array | StackedSlice | None]:
+        """`gate_up_proj` or `down_proj` as stored, with its scales (None for float experts); inside a
+        layer group's scan, quantized ones are `StackedSlice`s."""
         scale = getattr(self, f"{name}_scale_inv")[...] if self.storage is not None else None
         return getattr(self, name)[...], scale
 
@@ -77,13 +80,13 @@ class RoutedExperts(nnx.Module):
                                                        for name in ("gate_up_proj", "down_proj")), self.cfg)
 
 
-def dense_experts(w: jax.Array, scale: jax.Array | None, storage: str | None, cfg: ModelConfig,
-                  dtype) -> jax.Array:
+def dense_experts(w: jax.Array | StackedSlice, scale: jax.Array | StackedSlice | None, storage: str | None,
+                  cfg: ModelConfig, dtype) -> jax.Array:
     """Stacked expert weights as stored (float `[E, in, out]`, or FP8/FP4 `[E, out, in]` with scales)
     → `[E, in, out]` in `dtype`. Works on any slice of the expert axis."""
     if storage is None:
-        return w.astype(dtype)
-    return dequantized(w, scale, storage, dtype, tuple(cfg.quantization.weight_block_size))
+        return as_array(w).astype(dtype)
+    return dequantized(as_array(w), as_array(scale), storage, dtype, tuple(cfg.quantization.weight_block_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +94,8 @@ class StoredExperts:
     """Stacked experts as a quantized checkpoint stores them, for the grouped matmul: `w [E, out, in]`
     e4m3 (or `[E, out, in/2]` packed e2m1) and its scales. Any slice of the expert axis."""
 
-    w: jax.Array
-    scale: jax.Array
+    w: jax.Array | StackedSlice
+    scale: jax.Array | StackedSlice
     storage: str
     block: tuple[int, int]
 
@@ -103,12 +106,12 @@ class StoredExperts:
         return e, width * (2 if self.storage == "fp4" else 1), out
 
 
-def matmul_experts(w: jax.Array, scale: jax.Array | None, storage: str | None,
+def matmul_experts(w: jax.Array | StackedSlice, scale: jax.Array | StackedSlice | None, storage: str | None,
                    cfg: ModelConfig) -> jax.Array | StoredExperts:
     """Experts as stored → the operand `grouped_mlp` takes: float experts as they are (`[E, in, out]`),
     quantized ones as `StoredExperts` (never dequantized whole where a kernel reads them)."""
     if storage is None:
-        return w
+        return as_array(w)
     return StoredExperts(w, scale, storage, tuple(cfg.quantization.weight_block_size))
 
 

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax.layers.experts import RoutedExperts, grouped_mlp, matmul_experts
 from dsjax.parallel.rules import declared_axes, mesh_axes, spec_of
+from dsjax.stacked import as_array
 
 _LEAVES = ("gate_up_proj", "down_proj")
 
@@ -128,7 +129,7 @@ def routed_experts_parallel(experts: RoutedExperts, x_nh: jax.Array, weights_nk:
     names = _LEAVES + ((tuple(f"{leaf}_scale_inv" for leaf in _LEAVES)) if experts.storage is not None else ())
     for name in names:
         var = getattr(experts, name)
-        arrays.append(var[...])
+        arrays.append(as_array(var[...]))  # a layer group's scan may hand over a StackedSlice
         specs.append(spec_of(mesh, declared_axes(var), var.shape))
     tp = _ffn_axis(mesh, specs, experts)
     local = _Local(experts, ep, mesh.shape[ep], tp, e_local)

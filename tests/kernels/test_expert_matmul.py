@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from dsjax.export import abstract_device, disabled_checks
-from dsjax.kernels.expert_matmul.gpu import expert_matmul_gpu, group_tiles
+from dsjax.kernels.expert_matmul.gpu import addressable, expert_matmul_gpu, group_tiles
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
 from dsjax.quant import quantize_fp4, quantize_fp8
+from dsjax.stacked import StackedSlice
 
 
 def experts(storage: str, e: int, n: int, k: int, seed: int = 0):
@@ -37,6 +38,53 @@ def test_kernel_matches_reference(storage, sizes, extra):
     want = np.asarray(expert_matmul_reference(x, q, s, group_sizes, storage), np.float32)[:sum(sizes)]
     # Every product is exact in both; the fp32 sums run in another order, then round to bf16.
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_kernel_reads_one_layer_of_stacked_experts_in_place(storage):
+    """With `layer`, the kernel reads that entry of `[L, E, …]` stacks: the same result as the kernel on
+    the layer cut out, and (through the op, given `StackedSlice`s) as the reference on it."""
+    layers = [experts(storage, 3, 128, 256, seed=s) for s in range(3)]
+    q, s = jnp.stack([w for w, _ in layers]), jnp.stack([sc for _, sc in layers])
+    sizes = jnp.asarray([2, 0, 5], jnp.int32)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 256)), jnp.bfloat16)
+    for layer in range(3):
+        got = expert_matmul_gpu(x, q, s, sizes, storage, jnp.int32(layer), interpret=True)[:7]
+        alone = expert_matmul_gpu(x, q[layer], s[layer], sizes, storage, interpret=True)[:7]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alone, np.float32))
+        index = jnp.int32(layer)
+        via_op = expert_matmul(x, StackedSlice(q, index), StackedSlice(s, index), sizes, storage, kernels="interpret")
+        want = expert_matmul_reference(x, q[layer], s[layer], sizes, storage)[:7]
+        np.testing.assert_array_equal(np.asarray(via_op[:7], np.float32), np.asarray(got, np.float32))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2 ** -7,
+                                   atol=1e-3 * float(jnp.abs(want).max()))
+
+
+def test_stacked_experts_reach_the_cuda_kernel_uncopied():
+    """Given a `StackedSlice`, the op lowered for cuda hands the whole stack to the kernel: no op cuts
+    the layer out (XLA would copy such a slice for a Triton call)."""
+    q, s = (jnp.stack([a, a]) for a in experts("fp4", 4, 128, 256))
+
+    def fn(x, g, i):
+        return expert_matmul(x, StackedSlice(q, i), StackedSlice(s, i), g, "fp4")
+
+    h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
+            jax.ShapeDtypeStruct((24, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
+    assert "dsjax_expert_matmul" in text
+    assert "tensor<4x128x128xi8>" not in text and "tensor<1x4x128x128xi8>" not in text
+
+
+def test_addressable_follows_the_lowerings_offset_width():
+    """int32 offsets up to 2^32 bytes, int64 past them: 2^31 + 1 bytes cannot be addressed, 2^32 + 2 can."""
+    assert addressable(jax.ShapeDtypeStruct((2 ** 31,), jnp.int8))
+    assert not addressable(jax.ShapeDtypeStruct((2 ** 31 + 1,), jnp.int8))
+    assert not addressable(jax.ShapeDtypeStruct((2 ** 32,), jnp.int8))
+    assert addressable(jax.ShapeDtypeStruct((2 ** 32 + 2,), jnp.int8))
+    assert addressable(jax.ShapeDtypeStruct((2 ** 31,), jnp.int16))
+    assert addressable(jax.ShapeDtypeStruct((3 * 2 ** 31,), jnp.int16))
 
 
 def test_group_tiles_cover_every_grouped_row_once():
@@ -85,13 +133,16 @@ def test_lowers_for_cuda(storage):
     (lambda x, q, s: (x[:, :128], q, s, "fp8"), "do not tile"),
     (lambda x, q, s: (x, q, s, "int4"), "storage must be"),
     (lambda x, q, s: (x, q[:, :, :64].view(jnp.int8), s, "fp4"), "do not match"),
+    (lambda x, q, s: (x, q, s, "fp8", 0), "stacked experts needs"),
+    (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], "fp8", 0), "stacked experts needs"),
+    (lambda x, q, s: (x, q[None, :1], s[None, :1], "fp8", 0), "2 group sizes for 1 experts"),
 ])
 def test_refuses_what_it_does_not_take_with_a_clear_error(change, message):
     q, s = experts("fp8", 2, 128, 256)
     x = jnp.ones((8, 256), jnp.bfloat16)
-    x, q, s, storage = change(x, q, s)
+    x, q, s, storage, *layer = change(x, q, s)
     with pytest.raises(ValueError, match=message):
-        expert_matmul_gpu(x, q, s, jnp.asarray([4, 4], jnp.int32), storage, interpret=True)
+        expert_matmul_gpu(x, q, s, jnp.asarray([4, 4], jnp.int32), storage, *layer, interpret=True)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -107,3 +158,26 @@ def test_native_kernel_matches_reference(storage):
     got = np.asarray(expert_matmul_gpu(x, q, s, sizes, storage), np.float32)
     want = np.asarray(expert_matmul_reference(x, q, s, sizes, storage), np.float32)
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("storage,stack", [("fp4", (3, 256, 4096, 2048)), ("fp8", (2, 256, 4096, 4096))])
+def test_native_kernel_reads_a_layer_past_4_gib_of_stacked_experts(storage, stack):
+    """V4-Flash's gate_up experts stacked over layers span 6-8 GiB, past int32 offsets: the last layer
+    read in place must equal the same kernel on that layer cut out (random codes; NaN codes compare
+    equal to NaN)."""
+    key_w, key_s, key_x = jax.random.split(jax.random.key(0), 3)
+    dtype = jnp.int8 if storage == "fp4" else jnp.float8_e4m3fn
+    words = jax.random.bits(key_w, (*stack[:-1], stack[-1] // 4), jnp.uint32)  # no 4x-wide intermediate
+    q = jax.lax.bitcast_convert_type(words, dtype).reshape(stack)
+    del words
+    l, e, n, width = stack
+    k = width * (2 if storage == "fp4" else 1)
+    scale_shape = (l, e, n, k // 32) if storage == "fp4" else (l, e, n // 128, k // 128)
+    s = jax.random.randint(key_s, scale_shape, 120, 131).astype(jnp.uint8)
+    x = jax.random.normal(key_x, (32, k), jnp.bfloat16)
+    sizes = jnp.asarray(np.random.default_rng(0).multinomial(32, np.ones(e) / e), jnp.int32)
+    last = l - 1
+    got = np.asarray(expert_matmul_gpu(x, q, s, sizes, storage, jnp.int32(last)), np.float32)
+    alone = np.asarray(expert_matmul_gpu(x, q[last], s[last], sizes, storage), np.float32)
+    np.testing.assert_array_equal(got[:32], alone[:32])

@@ -52,6 +52,14 @@ def group_tiles(group_sizes_e: jax.Array, n_rows: int, block_m: int) -> tuple[ja
     return g_c, offsets[g_c] + j * block_m, rows
 
 
+def addressable(codes: jax.Array) -> bool:
+    """Whether the kernel can address every element of `codes` (as it reads them: int16 pairs of e4m3,
+    bytes of e2m1). Pallas's Triton lowering computes element offsets in int32 unless the array spans
+    more than 2^32 bytes, where it switches to int64; so an array of more than 2^31 elements but at
+    most 2^32 bytes is out of reach."""
+    return codes.size <= 2 ** 31 or codes.size * codes.dtype.itemsize > 2 ** 32
+
+
 def _fp16_of_bits(bits):
     """The low 16 bits of int32s as fp16."""
     return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
@@ -115,13 +123,23 @@ def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, *refs, sto
 @functools.partial(jax.jit, static_argnames=("storage", "block_m", "block_n", "num_warps", "num_stages",
                                              "interpret"))
 def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
-                      storage: str, *, block_m: int = 16, block_n: int = 64, num_warps: int = 4,
-                      num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                      storage: str, layer: jax.Array | None = None, *, block_m: int = 16, block_n: int = 64,
+                      num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference` (same arguments but the block, which is 128 × 128 here) as a
-    Pallas kernel. Raises ValueError for what it does not take: non-bf16 activations, float FP8 scales,
-    widths that do not tile."""
+    Pallas kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`)
+    and the kernel reads entry `layer` where it lies. Raises ValueError for what it does not take:
+    non-bf16 activations, float FP8 scales, widths that do not tile, experts it cannot address."""
     p, k = x_pk.shape
-    e, n = w_enk.shape[:2]
+    first_expert = 0
+    if layer is not None:  # entry `layer` of L stacks of E experts: experts layer·E … of L·E
+        if w_enk.ndim != 4 or scale.shape[:2] != w_enk.shape[:2]:
+            raise ValueError(f"expert_matmul_gpu: a layer of stacked experts needs [L, E, …] experts and scales, "
+                             f"got {w_enk.shape} and {scale.shape}")
+        first_expert = jnp.asarray(layer, jnp.int32) * w_enk.shape[1]
+        if group_sizes_e.shape[0] != w_enk.shape[1]:
+            raise ValueError(f"expert_matmul_gpu: {group_sizes_e.shape[0]} group sizes for {w_enk.shape[1]} experts")
+        w_enk, scale = w_enk.reshape(-1, *w_enk.shape[2:]), scale.reshape(-1, *scale.shape[2:])
+    e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:
         raise ValueError(f"expert_matmul_gpu: activations must be bf16, got {x_pk.dtype}")
     if block_m % 16 or block_n % 16:
@@ -149,14 +167,16 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
         scale = jax.lax.bitcast_convert_type(scale, jnp.uint8) if scale.dtype != jnp.uint8 else scale
     else:
         raise ValueError(f"expert_matmul_gpu: storage must be 'fp8' or 'fp4', got {storage!r}")
-    if w_enk.size > 2 ** 31:  # Triton indexes with int32 element offsets
-        raise ValueError(f"expert_matmul_gpu: experts of {w_enk.size} elements exceed 2^31 (int32 offsets)")
+    if not addressable(w_enk):
+        raise ValueError(f"expert_matmul_gpu: experts of {w_enk.size} elements of {w_enk.dtype.itemsize} bytes "
+                         "are past Triton's int32 offsets (more than 2^31 elements in at most 2^32 bytes)")
     pieces, unscale_p = fp16_rows({0: x_pk})
     # Every tile reads block_m rows from its first: pad so that the last tile's stay inside.
     x16 = jnp.pad(pieces[0], ((0, block_m), (0, 0)))
     x_parts = (x16[:, 0::2], x16[:, 1::2])
     unscale_p = jnp.pad(unscale_p, (0, block_m))
-    tiles = group_tiles(group_sizes_e, p, block_m)
+    group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
+    tiles = (group_t + first_expert, row0_t, rows_t)
     out = pl.pallas_call(
         functools.partial(_kernel, storage=storage, block_m=block_m, block_n=block_n, block_k=block_k,
                           n_k=k // block_k),

@@ -10,19 +10,27 @@ import jax
 from dsjax.kernels.dispatch import dispatch
 from dsjax.kernels.expert_matmul.gpu import expert_matmul_gpu
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
+from dsjax.stacked import StackedSlice, as_array
 
 # Rows per expert above which dequantizing the experts once (reference) beats the kernel, which reads
 # an expert's codes again for every 16 of its rows; decode steps have a few rows per expert.
 KERNEL_MAX_ROWS_PER_EXPERT = 64
 
 
-def expert_matmul(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array, storage: str,
-                  block: tuple[int, int] = (128, 128), *, kernels: str = "auto") -> jax.Array:
-    """`reference.expert_matmul_reference`'s result, by the kernel `kernels` selects for the platform."""
-    reference = functools.partial(expert_matmul_reference, x_pk, w_enk, scale, group_sizes_e, storage, block)
-    gpu = ()
+def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.Array | StackedSlice,
+                  group_sizes_e: jax.Array, storage: str, block: tuple[int, int] = (128, 128), *,
+                  kernels: str = "auto") -> jax.Array:
+    """`reference.expert_matmul_reference`'s result, by the kernel `kernels` selects for the platform.
+    Experts given as a `StackedSlice` (with their scales) are read in place where the kernel can
+    address the whole stack; elsewhere their layer is cut out first."""
+    reference = lambda: expert_matmul_reference(x_pk, as_array(w_enk), as_array(scale),  # noqa: E731
+                                                group_sizes_e, storage, block)
+    gpu = []
     few_rows = x_pk.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT * w_enk.shape[0]
     if few_rows and (storage == "fp4" or tuple(block) == (128, 128)):
-        gpu = lambda interpret: expert_matmul_gpu(x_pk, w_enk, scale, group_sizes_e, storage,  # noqa: E731
-                                                  interpret=interpret)
+        kernel = functools.partial(expert_matmul_gpu, x_pk, group_sizes_e=group_sizes_e, storage=storage)
+        if isinstance(w_enk, StackedSlice) and isinstance(scale, StackedSlice):
+            gpu.append(lambda interpret: kernel(w_enk=w_enk.stack, scale=scale.stack, layer=w_enk.index,
+                                                interpret=interpret))
+        gpu.append(lambda interpret: kernel(w_enk=as_array(w_enk), scale=as_array(scale), interpret=interpret))
     return dispatch(reference, kernels=kernels, gpu=gpu)
