@@ -114,7 +114,8 @@ def test_cpu_round_trip_equals_the_engines_steps(tiny, model, cpu_export):
                *[v for _, v in sorted(vars(last_sampling).items())]]
     spec = manifest["steps"]["decode"]["inputs"]
     assert [(list(x.shape), str(x.dtype)) for x in flat_in] == [(e["shape"], e["dtype"]) for e in spec]
-    assert [e["name"] for e in spec[-4:]] == [f"sampling['{k}']" for k in ("seed", "temperature", "top_k", "top_p")]
+    assert [e["name"] for e in spec[-5:]] == [f"sampling['{k}']"
+                                              for k in ("logprobs", "seed", "temperature", "top_k", "top_p")]
 
 
 def test_the_loader_names_what_does_not_match(tiny, cpu_export):
@@ -159,7 +160,7 @@ def test_accelerator_artifacts_are_written_here(platform, preset, more, tmp_path
         assert e.platforms == (platform,), name
         assert e.nr_devices == devices
         assert len(e.in_avals) == len(m["steps"][name]["inputs"]) == len(m["params"]) + len(m["cache"]) + (
-            6 if name == "decode" else 8)
+            7 if name == "decode" else 9)
         allowed = {jax.export.DisabledSafetyCheck.custom_call(t) for t in ALLOWED_CUSTOM_CALLS[platform]}
         assert allowed <= set(e.disabled_safety_checks)
     if more:  # laid out as the rules say; k = 2 < ep = 8: tokens go to the experts by ragged all-to-all

@@ -40,13 +40,29 @@ def test_top_k_and_top_p_never_emit_excluded_tokens():
 
 
 def test_greedy_and_logprobs():
-    out = sample(jnp.asarray([LOGITS]), SamplingArrays.of([SamplingParams(temperature=0.0)], [0]),
+    out = sample(jnp.asarray([LOGITS]), SamplingArrays.of([SamplingParams(temperature=0.0, logprobs=3)], [0]),
                  jnp.asarray([0]))
     logp = LOGITS - np.log(np.exp(LOGITS).sum())
     assert int(out.token[0]) == 1
     np.testing.assert_allclose(float(out.logprob[0]), logp[1], rtol=1e-6)
     assert out.top_ids.shape == (1, min(MAX_LOGPROBS, LOGITS.size))
     np.testing.assert_array_equal(np.asarray(out.top_ids[0, :3]), [1, 3, 6])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs[0, :3]), logp[[1, 3, 6]], rtol=1e-6)
+
+
+def test_alternatives_only_when_some_row_asks():
+    """Without a row asking for alternatives the vocabulary is not ranked (zeros come back); with one,
+    every row gets its own, and the chosen token's logprob is there either way."""
+    logits = jnp.asarray([LOGITS, LOGITS[::-1]])
+    logp = LOGITS - np.log(np.exp(LOGITS).sum())
+    step = jax.jit(sample)
+    none = step(logits, SamplingArrays.of([SamplingParams(temperature=0.0)] * 2, [0, 1]), jnp.zeros(2, jnp.int32))
+    assert not np.asarray(none.top_ids).any() and not np.asarray(none.top_logprobs).any()
+    np.testing.assert_allclose(np.asarray(none.logprob), [logp[1], logp[1]], rtol=1e-6)
+    asks = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2)]
+    mixed = step(logits, SamplingArrays.of(asks, [0, 1]), jnp.zeros(2, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(mixed.top_ids[:, :2]), [[1, 3], [5, 3]])
+    np.testing.assert_array_equal(np.asarray(mixed.token), np.asarray(none.token))
 
 
 def test_position_changes_the_draw_seed_fixes_it():
