@@ -23,7 +23,7 @@ or an array, so the artifacts need no pytree registrations to deserialize:
 
 where `params` is `jax.tree.leaves(params)` of the model's `nnx.split(model)[1]`, `cache` is
 `jax.tree.leaves(cache)` of a `dsjax.cache.Cache` (from `init_cache` or `Engine.new_cache`), `sampling`
-is `{"temperature": f32[n], "top_k": i32[n], "top_p": f32[n], "seed": u32[n], "logprobs": i32[n]}` (one row per slot for
+is `{"temperature": f32[n], "top_k": i32[n], "top_p": f32[n], "seed": u32[n]}` (one row per slot for
 decode, per prefill row for prefill: `SamplingArrays`' fields) and `sampled` is
 `{"token", "logprob", "top_ids", "top_logprobs"}` (`Sampled`'s fields). The returned cache leaves replace
 the given ones (the manifest's `aliases`: donate them). The steps mean what the engine's do: decode feeds
@@ -249,8 +249,9 @@ def _flat_step(step, graphdef, params_def, cache_def):
 
 
 def _fields(dc) -> dict:
-    """A dataclass's fields as a dict (not `dataclasses.asdict`, which copies its values)."""
-    return {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc)}
+    """A dataclass's array fields as a dict (not `dataclasses.asdict`, which copies its values). Static
+    fields are left out: an exported step takes `SamplingArrays`' default modes, which serve any rows."""
+    return {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc) if not f.metadata.get("static")}
 
 
 def _spec(x, sharding: bool = True) -> dict:

@@ -438,8 +438,7 @@ def abstract_steps(cfg, mesh_spec, max_len: int, slots: int, weights: str = "fp8
 
     def sampling(n):
         return SamplingArrays(temperature=small((n,), jnp.float32), top_k=small((n,), jnp.int32),
-                              top_p=small((n,), jnp.float32), seed=small((n,), jnp.uint32),
-                              logprobs=small((n,), jnp.int32))
+                              top_p=small((n,), jnp.float32), seed=small((n,), jnp.uint32))
 
     out = AbstractSteps(cfg=cfg, mesh=mesh, abstract_device=abstract_device, slot_shards=shards, model=model,
                         engine=engine, decode_args=(), prefill_args=())

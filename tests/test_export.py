@@ -18,7 +18,7 @@ import dsjax
 from dsjax.cli import main
 from dsjax.config import ModelConfig
 from dsjax.engine import steps
-from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingParams
+from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingModes, SamplingParams
 from dsjax.export import ALLOWED_CUSTOM_CALLS, MANIFEST, STEP_FILES, _write, export_steps, load_steps
 from dsjax.model import DeepseekV4
 from dsjax.quantize import V4_QUANT
@@ -83,7 +83,9 @@ def test_cpu_round_trip_equals_the_engines_steps(tiny, model, cpu_export):
         return jnp.asarray(v, jnp.int32)
 
     def sampling(rows, first_seed):
-        return SamplingArrays.of((greedy_and_sampled * rows)[:rows], range(first_seed, first_seed + rows))
+        # every sampler mode, as the exported steps run them (they take no host-side modes)
+        return SamplingArrays.of((greedy_and_sampled * rows)[:rows], range(first_seed, first_seed + rows),
+                                 SamplingModes())
 
     script = [("prefill", (tokens(ROWS, CHUNK), ints(2, 0), ints(0, 0), ints(8, 6), sampling(ROWS, 0))),
               ("prefill", (tokens(ROWS, CHUNK), ints(1, 2), ints(0, 8), ints(8, 5), sampling(ROWS, 2)))]
@@ -111,11 +113,10 @@ def test_cpu_round_trip_equals_the_engines_steps(tiny, model, cpu_export):
     # The raw Exported takes leaves, arrays and a dict: what the manifest's inputs list, in order.
     last, active, last_sampling = script[-1][1]
     flat_in = [*loaded.flat_params(engine.params), *loaded.flat_cache(got[-1][0]), last, active,
-               *[v for _, v in sorted(vars(last_sampling).items())]]
+               *[v for k, v in sorted(vars(last_sampling).items()) if k != "modes"]]
     spec = manifest["steps"]["decode"]["inputs"]
     assert [(list(x.shape), str(x.dtype)) for x in flat_in] == [(e["shape"], e["dtype"]) for e in spec]
-    assert [e["name"] for e in spec[-5:]] == [f"sampling['{k}']"
-                                              for k in ("logprobs", "seed", "temperature", "top_k", "top_p")]
+    assert [e["name"] for e in spec[-4:]] == [f"sampling['{k}']" for k in ("seed", "temperature", "top_k", "top_p")]
 
 
 def test_the_loader_names_what_does_not_match(tiny, cpu_export):
@@ -160,7 +161,7 @@ def test_accelerator_artifacts_are_written_here(platform, preset, more, tmp_path
         assert e.platforms == (platform,), name
         assert e.nr_devices == devices
         assert len(e.in_avals) == len(m["steps"][name]["inputs"]) == len(m["params"]) + len(m["cache"]) + (
-            7 if name == "decode" else 9)
+            6 if name == "decode" else 8)
         allowed = {jax.export.DisabledSafetyCheck.custom_call(t) for t in ALLOWED_CUSTOM_CALLS[platform]}
         assert allowed <= set(e.disabled_safety_checks)
     if more:  # laid out as the rules say; k = 2 < ep = 8: tokens go to the experts by ragged all-to-all

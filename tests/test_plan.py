@@ -81,7 +81,7 @@ def test_cache_is_what_the_engine_puts_on_each_device(tiny, planned):
 
 def test_xla_arguments_are_weights_cache_and_the_step_inputs(planned):
     s, n, c, k = ARGS["slots"], ARGS["slots"], ARGS["chunk_size"], MAX_LOGPROBS
-    sampling = 4 + 4 + 4 + 4 + 4  # temperature, top_k, top_p, seed, logprobs per row
+    sampling = 4 + 4 + 4 + 4  # temperature, top_k, top_p, seed per row
     assert planned.decode.argument == planned.weights + planned.cache + s * (4 + 1 + sampling)
     assert planned.prefill.argument == planned.weights + planned.cache + n * (c * 4 + 3 * 4 + sampling)
     # the cache is donated: the new cache is written over the old, everything else is small

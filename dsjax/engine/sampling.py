@@ -50,24 +50,51 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingModes:
+    """Which parts of the sampler a batch needs, decided on the host: the step compiles only those. (A
+    device-side `lax.cond` would make the host wait for the device inside every step: 2.3 ms of idle
+    device per decode step on an H200, docs/benchmarks.md.) Any superset of what the rows need gives
+    the same tokens; the default, everything, serves any rows."""
+
+    random: bool = True  # some row samples (temperature > 0)
+    filtered: bool = True  # some sampled row cuts by top-k or top-p (the vocabulary is sorted)
+    logprobs: bool = True  # some row asks for alternatives
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> "SamplingModes":
+        """Exactly what these rows need."""
+        sampled = [p for p in params if p.temperature > 0]
+        return cls(random=bool(sampled), filtered=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
+                   logprobs=any(p.logprobs for p in params))
+
+    def __or__(self, other: "SamplingModes") -> "SamplingModes":
+        return SamplingModes(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-    """Per-row sampling parameters as device arrays."""
+    """Per-row sampling parameters as device arrays, and the batch's `modes` (static: part of the
+    compiled step's identity)."""
 
     temperature: jax.Array  # [B] f32
     top_k: jax.Array  # [B] i32, 0 = off
     top_p: jax.Array  # [B] f32
     seed: jax.Array  # [B] u32
-    logprobs: jax.Array  # [B] i32, alternatives wanted (0: none)
+    modes: SamplingModes = dataclasses.field(default=SamplingModes(), metadata={"static": True})
 
     @classmethod
-    def of(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> "SamplingArrays":
+    def of(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
+           modes: SamplingModes | None = None) -> "SamplingArrays":
+        """The rows' arrays; `modes` are what they need, widened by `modes` if given (a caller that keeps
+        them across batches compiles each widening once, instead of a step per mix of requests)."""
+        needed = SamplingModes.of(params)
         return cls(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
                    top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
                    top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
                    seed=jnp.asarray(np.asarray(seeds, np.uint32)),
-                   logprobs=jnp.asarray([p.logprobs or 0 for p in params], jnp.int32))
+                   modes=needed if modes is None else needed | modes)
 
 
 @jax.tree_util.register_dataclass
@@ -75,8 +102,10 @@ class SamplingArrays:
 class Sampled:
     token: jax.Array  # [B] i32
     logprob: jax.Array  # [B] f32, of the chosen token
-    top_ids: jax.Array  # [B, min(MAX_LOGPROBS, vocab)], most likely first; zeros when no row asked
-    top_logprobs: jax.Array  # [B, min(MAX_LOGPROBS, vocab)]; zeros when no row asked
+    # The most likely alternatives, most likely first: zeros where the step's modes leave them out
+    # (`SamplingModes.logprobs`), so meaningful only for rows that asked.
+    top_ids: jax.Array  # [B, min(MAX_LOGPROBS, vocab)]
+    top_logprobs: jax.Array  # [B, min(MAX_LOGPROBS, vocab)]
 
 
 def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> Sampled:
@@ -86,15 +115,16 @@ def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array)
     greedy_b = jnp.argmax(logits_bv, axis=-1)
 
     # Sorting the vocabulary (2.6 ms per decode step at 128 rows × 129K on an H200) only where a
-    # sampled row filters; greedy batches skip the noise as well. The branches agree on every row:
-    # each token id owns its noise draw, so the sorted and unsorted maxima pick the same token.
-    # (Module-level branches: a fresh closure per call would be traced and compiled again each time.)
-    sampled_b = jax.lax.cond(jnp.any(params.temperature > 0), _sample_random, _sample_none,
-                             logits_bv, params, positions_b)
-    token_b = jnp.where(params.temperature == 0, greedy_b, sampled_b).astype(jnp.int32)
+    # sampled row filters; greedy batches skip the noise as well. The paths agree on every row: each
+    # token id owns its noise draw, so the sorted and unsorted maxima pick the same token.
+    modes = params.modes
+    token_b = greedy_b.astype(jnp.int32)
+    if modes.random:
+        sampled_b = (_sample_filtered if modes.filtered else _sample_plain)(logits_bv, params, positions_b)
+        token_b = jnp.where(params.temperature == 0, token_b, sampled_b).astype(jnp.int32)
     # The most likely alternatives (a vocabulary sort on GPUs: 1 ms per decode step at 128 rows) only
     # when some row asks for them.
-    top_lp, top_ids = jax.lax.cond(jnp.any(params.logprobs > 0), _top_logprobs, _no_top_logprobs, logp_bv)
+    top_lp, top_ids = (_top_logprobs if modes.logprobs else _no_top_logprobs)(logp_bv)
     return Sampled(token=token_b, logprob=jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0],
                    top_ids=top_ids, top_logprobs=top_lp)
 
@@ -107,17 +137,6 @@ def _top_logprobs(logp_bv: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _no_top_logprobs(logp_bv: jax.Array) -> tuple[jax.Array, jax.Array]:
     shape = (logp_bv.shape[0], min(MAX_LOGPROBS, logp_bv.shape[-1]))
     return jnp.zeros(shape, logp_bv.dtype), jnp.zeros(shape, jnp.int32)
-
-
-def _sample_random(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
-    filtered = (params.temperature > 0) & ((params.top_k > 0) | (params.top_p < 1))
-    return jax.lax.cond(jnp.any(filtered), _sample_filtered, _sample_plain, logits_bv, params, positions_b)
-
-
-def _sample_none(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
-    """Every row is greedy: the caller takes the argmax."""
-    del params, positions_b
-    return jnp.zeros(logits_bv.shape[:1], jnp.int32)
 
 
 def _gumbel_bv(params: SamplingArrays, positions_b: jax.Array, vocab: int) -> jax.Array:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
 
-from dsjax.engine.sampling import SamplingArrays, SamplingParams
+from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.steps import Engine
 
 _IDLE = SamplingParams(temperature=0.0)
@@ -49,8 +49,9 @@ def _bucket(n: int, limit: int) -> int:
 class _Slots:
     """Host-side view of what each slot holds."""
 
-    def __init__(self, n: int, max_len: int):
+    def __init__(self, n: int, max_len: int, engine: Engine):
         self.max_len = max_len
+        self.engine = engine
         self._sampling = None  # (requests, SamplingArrays) of the last call
         self.request: list[Request | None] = [None] * n
         self.total = [0] * n  # tokens in the sequence, prompt + generated
@@ -70,7 +71,8 @@ class _Slots:
         last = self._sampling[0] if self._sampling else ()
         if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):
             arrays = SamplingArrays.of([r.sampling if r else _IDLE for r in reqs],
-                                       [r.seed if r else 0 for r in reqs])
+                                       [r.seed if r else 0 for r in reqs], self.engine.sampling_modes)
+            self.engine.sampling_modes = arrays.modes  # only ever widens: each widening compiles once
             self._sampling = (reqs, arrays)
         return self._sampling[1]
 
@@ -90,7 +92,9 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     cancelled = set() if cancelled is None else cancelled
     timer = timer or StepTimer()
     n = engine.num_slots
-    slots = _Slots(n, engine.max_len)
+    slots = _Slots(n, engine.max_len, engine)
+    if isinstance(requests, Sequence):  # known up front: the steps compile for the whole job's needs once
+        engine.sampling_modes |= SamplingModes.of([r.sampling for r in requests])
     cache = engine.new_cache()
     pending = iter(requests)
     exhausted = False

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import Cache, init_cache
-from dsjax.engine.sampling import Sampled, SamplingArrays, sample
+from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingModes, sample
 from dsjax.parallel.rules import slot_axes
 from dsjax.quant import KV_DTYPES
 
@@ -76,6 +76,8 @@ class Engine:
         self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
         self.graphdef, self.params = nnx.split(model)
         self._static = StaticGraph(self.graphdef)
+        # The sampler parts the steps have needed so far (`SamplingModes`); the scheduler widens them.
+        self.sampling_modes = SamplingModes(random=False, filtered=False, logprobs=False)
         # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
         # context once, so every step would be traced again by the next engine. Import it before.
         import tokamax  # noqa: F401

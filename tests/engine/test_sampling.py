@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.engine.sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, sample
+from dsjax.engine.sampling import MAX_LOGPROBS, SamplingArrays, SamplingModes, SamplingParams, sample
 
 LOGITS = np.log(np.asarray([0.05, 0.3, 0.1, 0.25, 0.02, 0.08, 0.2], np.float64)).astype(np.float32)
 
@@ -116,3 +116,26 @@ def test_unfiltered_rows_skip_the_sort_and_pick_what_the_sorted_path_picks():
     with_filter = sample(logits, SamplingArrays.of(
         [SamplingParams(temperature=0.3)] + [SamplingParams(temperature=1.0, top_k=5)] * 15, list(range(16))), pos).token
     assert int(alone[0]) == int(with_filter[0])
+
+
+def test_modes_are_what_the_rows_need_and_wider_modes_pick_the_same_tokens():
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)
+    assert SamplingModes.of([greedy]) == SamplingModes(False, False, False)
+    assert SamplingModes.of([greedy, hot]) == SamplingModes(True, False, False)
+    # a greedy row's top-k does not make the batch filter; a sampled row's does
+    assert SamplingModes.of([SamplingParams(temperature=0.0, top_k=3)]) == SamplingModes(False, False, False)
+    assert SamplingModes.of([SamplingParams(temperature=0.5, top_p=0.9)]) == SamplingModes(True, True, False)
+    assert SamplingModes.of([SamplingParams(logprobs=0)]).logprobs is False
+    assert SamplingModes.of([SamplingParams(logprobs=1)]).logprobs is True
+    widened = SamplingArrays.of([greedy], [0], SamplingModes(False, True, False))
+    assert widened.modes == SamplingModes(False, True, False)
+
+    logits = jax.random.normal(jax.random.key(1), (6, 300)) * 2
+    rows = [greedy, hot, greedy, SamplingParams(temperature=1.3), hot, greedy]
+    pos = jnp.arange(6, dtype=jnp.int32)
+    need = sample(logits, SamplingArrays.of(rows, list(range(6))), pos)
+    wide = sample(logits, SamplingArrays.of(rows, list(range(6)), SamplingModes()), pos)
+    np.testing.assert_array_equal(np.asarray(need.token), np.asarray(wide.token))
+    np.testing.assert_array_equal(np.asarray(need.logprob), np.asarray(wide.logprob))
+    only_greedy = sample(logits, SamplingArrays.of([greedy] * 6, list(range(6))), pos)
+    np.testing.assert_array_equal(np.asarray(only_greedy.token), np.asarray(jnp.argmax(logits, -1)))
