@@ -54,11 +54,15 @@ class RoutedExperts(nnx.Module):
         self.storage = None if quant is None else quant.expert_dtype
         for name, (d_in, d_out), axes_io in (("gate_up_proj", (h, 2 * i), ("embed", "ffn")),
                                              ("down_proj", (i, h), ("ffn", "embed"))):
-            w = 0.02 * jax.random.normal(rngs.params(), (e, d_in, d_out))
+            key = rngs.params()
             if quant is None:
+                w = 0.02 * jax.random.normal(key, (e, d_in, d_out))
                 setattr(self, name, nnx.Param(w.astype(dtype), axes=("expert", *axes_io)))
                 continue
-            q, s = quantize_experts(w, quant)
+            # One expert at a time: quantizing all E at once held several float32 copies of them
+            # (V4-Flash's gate_up: 17 GB each), which set `dsjax bench --weights fp8`'s peak memory.
+            q, s = jax.lax.map(lambda k: quantize_experts(0.02 * jax.random.normal(k, (d_in, d_out)), quant),
+                               jax.random.split(key, e))
             axes_oi = ("expert", *axes_io[::-1])  # stored [E, out, in], and so is the scale grid
             # The expert kernel reads a layer group's stacked codes in place (`dsjax.stacked`).
             setattr(self, name, nnx.Param(q, axes=axes_oi, **{READ_IN_PLACE: True}))
