@@ -50,12 +50,14 @@ def test_layer_view_matches_stacked_weights():
 
 
 def _quantized_group_cfg(kernels: str = "auto") -> ModelConfig:
-    """Three MoE layers in one scanned group, FP4 experts the expert kernel can tile."""
+    """Three hash-routed MoE layers in one scanned group, FP4 experts the expert kernel can tile. (Hash
+    routing depends on the token ids only: learned routing could pick other experts for a token after
+    a rounding difference, and the logits would differ by more than rounding.)"""
     from dsjax.config import QuantConfig
 
     quant = QuantConfig(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
     return ModelConfig.from_hf({**ModelConfig.preset("tiny").to_hf(), "num_hidden_layers": 3,
-                                "layer_types": ["sliding_attention"] * 3, "mlp_layer_types": ["moe"] * 3,
+                                "layer_types": ["sliding_attention"] * 3, "mlp_layer_types": ["hash_moe"] * 3,
                                 "hidden_size": 128, "moe_intermediate_size": 128}).replace(
         quantization=quant, kernels=kernels)
 
@@ -82,19 +84,28 @@ def test_scan_hands_quantized_experts_over_as_stacked_slices():
 
 
 def test_quantized_group_with_the_expert_kernel_matches_the_reference():
-    """The whole model with the interpreted expert kernel reading the stacked experts in place gives
-    the reference's logits (fp32 sums in another order), and lowered for cuda no op cuts a layer's
-    experts out of the stack."""
+    """The quantized model, its experts read in place (through the reference, and through the
+    interpreted expert kernel), gives the logits of its dequantized twin, whose float experts the scan
+    slices as before (fp32 sums in another order); and lowered for cuda no op cuts a layer's experts
+    out of the stack."""
+    from dsjax.bench import random_model
     from dsjax.export import abstract_device, disabled_checks
+    from dsjax.quantize import dequantize_model
 
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 6)), jnp.int32)
-    model = DeepseekV4(_quantized_group_cfg(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    model = random_model(_quantized_group_cfg())  # random hash routing: each token its own experts
+    want = np.asarray(dequantize_model(model).forward(ids))
     graphdef, state = nnx.split(model)
-    want = np.asarray(DeepseekV4.forward(nnx.merge(graphdef, state), ids))
     kernel = nnx.merge(nnx.split(DeepseekV4(_quantized_group_cfg("interpret"), rngs=nnx.Rngs(0),
                                             dtype=jnp.bfloat16))[0], state)
-    got = np.asarray(jax.jit(lambda m, x: m.forward(x))(kernel, ids))
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
+    for got in (model.forward(ids), jax.jit(lambda m, x: m.forward(x))(kernel, ids)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-2 * np.abs(want).max())
+    # the cached path's scan (`extend`) as well
+    from dsjax.cache import init_cache
+
+    start, n_valid = jnp.zeros(2, jnp.int32), jnp.full(2, ids.shape[1], jnp.int32)
+    hidden, _ = model.extend(ids, init_cache(model, 2, 16), start, n_valid)
+    np.testing.assert_allclose(np.asarray(model.logits(hidden)), want, rtol=0, atol=2e-2 * np.abs(want).max())
 
     abstract = nnx.eval_shape(lambda: DeepseekV4(_quantized_group_cfg(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
     graphdef, state = nnx.split(abstract)
