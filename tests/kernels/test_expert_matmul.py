@@ -23,13 +23,14 @@ def experts(storage: str, e: int, n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("storage", ["fp8", "fp4"])
-@pytest.mark.parametrize("sizes,extra", [
-    ([3, 0, 17, 1, 6], 0),     # an empty group, a group over two tiles
-    ([0, 0, 40, 0, 0], 5),     # one group of three tiles; rows routed to no group after it
-    ([1, 1, 1, 1, 1], 11),
+@pytest.mark.parametrize("sizes,extra,k", [
+    ([3, 0, 17, 1, 6], 0, 256),     # an empty group, a group over two tiles
+    ([0, 0, 40, 0, 0], 5, 384),     # one group of three tiles; rows routed to no group after it
+    ([1, 1, 1, 1, 1], 11, 512),
 ])
-def test_kernel_matches_reference(storage, sizes, extra):
-    e, n, k = len(sizes), 128, 256
+def test_kernel_matches_reference(storage, sizes, extra, k):
+    """Random experts with scales spread over 2^13 (FP4 steps of 256 inputs, or 128 where K = 384)."""
+    e, n = len(sizes), 256
     q, s = experts(storage, e, n, k, seed=len(sizes) + extra)
     p = sum(sizes) + extra
     x = jnp.asarray(np.random.default_rng(extra).standard_normal((p, k)) * 3, jnp.bfloat16)
@@ -38,6 +39,23 @@ def test_kernel_matches_reference(storage, sizes, extra):
     want = np.asarray(expert_matmul_reference(x, q, s, group_sizes, storage), np.float32)[:sum(sizes)]
     # Every product is exact in both; the fp32 sums run in another order, then round to bf16.
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+
+
+def test_fp4_scales_relative_to_the_steps_largest_are_exact_down_to_2_pow_minus_24():
+    """FP4 codes are scaled in fp16 relative to the largest scale of their 256-input step: a group 2^24
+    below it is still exact; one 2^30 below rounds to zero (an error under 2^-25 of the largest)."""
+    e, n, k = 1, 128, 256
+    codes = jnp.full((e, n, k // 2), 0x11, jnp.uint8)  # every code 0.5
+    exponents = np.full((e, n, k // 32), 127, np.uint8)
+    exponents[..., 0], exponents[..., 1], exponents[..., 2] = 127 + 10, 127 + 10 - 24, 127 + 10 - 30
+    scale = jnp.asarray(exponents)
+    sizes = jnp.asarray([1], jnp.int32)
+    for column, want in ((0, 0.5 * 2.0 ** 10), (32, 0.5 * 2.0 ** -14), (64, 0.0)):
+        x = jnp.zeros((1, k), jnp.bfloat16).at[0, column].set(1)
+        got = expert_matmul_gpu(x, codes, scale, sizes, "fp4", interpret=True)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.full((1, n), want, np.float32))
+    reference = expert_matmul_reference(x, codes, scale, sizes, "fp4")
+    np.testing.assert_array_equal(np.asarray(reference, np.float32), np.full((1, n), 0.5 * 2.0 ** -20, np.float32))
 
 
 @pytest.mark.parametrize("storage", ["fp8", "fp4"])
@@ -74,7 +92,8 @@ def test_stacked_experts_reach_the_cuda_kernel_uncopied():
             jax.ShapeDtypeStruct((24, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
     assert "dsjax_expert_matmul" in text
-    assert "tensor<4x128x128xi8>" not in text and "tensor<1x4x128x128xi8>" not in text
+    for layer in ("4x128x128xi8", "4x128x32xi32"):  # one layer's codes, as stored or as the kernel's words
+        assert f"tensor<{layer}>" not in text and f"tensor<1x{layer}>" not in text
 
 
 def test_addressable_follows_the_lowerings_offset_width():
@@ -85,6 +104,7 @@ def test_addressable_follows_the_lowerings_offset_width():
     assert addressable(jax.ShapeDtypeStruct((2 ** 32 + 2,), jnp.int8))
     assert addressable(jax.ShapeDtypeStruct((2 ** 31,), jnp.int16))
     assert addressable(jax.ShapeDtypeStruct((3 * 2 ** 31,), jnp.int16))
+    assert addressable(jax.ShapeDtypeStruct((2 ** 31 + 1,), jnp.int32))
 
 
 def test_group_tiles_cover_every_grouped_row_once():
@@ -132,7 +152,7 @@ def test_lowers_for_cuda(storage):
     (lambda x, q, s: (x, q, s.astype(jnp.float32), "fp8"), "ue8m0"),
     (lambda x, q, s: (x[:, :128], q, s, "fp8"), "do not tile"),
     (lambda x, q, s: (x, q, s, "int4"), "storage must be"),
-    (lambda x, q, s: (x, q[:, :, :64].view(jnp.int8), s, "fp4"), "do not match"),
+    (lambda x, q, s: (x, q[:, :, :64].view(jnp.int8), s, "fp4"), "do not make whole steps"),
     (lambda x, q, s: (x, q, s, "fp8", 0), "stacked experts needs"),
     (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], "fp8", 0), "stacked experts needs"),
     (lambda x, q, s: (x, q[None, :1], s[None, :1], "fp8", 0), "2 group sizes for 1 experts"),
@@ -161,11 +181,12 @@ def test_native_kernel_matches_reference(storage):
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-@pytest.mark.parametrize("storage,stack", [("fp4", (3, 256, 4096, 2048)), ("fp8", (2, 256, 4096, 4096))])
+@pytest.mark.parametrize("storage,stack", [("fp4", (3, 256, 4096, 2048)), ("fp8", (2, 256, 4096, 4096)),
+                                           ("fp4", (3, 256, 4096, 1024))])
 def test_native_kernel_reads_a_layer_past_4_gib_of_stacked_experts(storage, stack):
-    """V4-Flash's gate_up experts stacked over layers span 6-8 GiB, past int32 offsets: the last layer
-    read in place must equal the same kernel on that layer cut out (random codes; NaN codes compare
-    equal to NaN)."""
+    """V4-Flash's gate_up experts stacked over layers span 6-8 GiB, past int32 offsets, and three
+    layers of FP4 down_proj 3 GiB, more than 2^31 bytes: the last layer read in place must equal the
+    same kernel on that layer cut out (random codes; NaN codes compare equal to NaN)."""
     key_w, key_s, key_x = jax.random.split(jax.random.key(0), 3)
     dtype = jnp.int8 if storage == "fp4" else jnp.float8_e4m3fn
     words = jax.random.bits(key_w, (*stack[:-1], stack[-1] // 4), jnp.uint32)  # no 4x-wide intermediate

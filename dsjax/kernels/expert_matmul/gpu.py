@@ -3,21 +3,29 @@ interpreted on CPU), reading each touched expert's codes once, as stored, and ne
 dequantized.
 
 Rows sorted by expert are cut into tiles of `block_m` rows of one expert (`group_tiles`); a program
-holds one tile and `block_n` output columns and walks the expert's inputs `block_k` at a time:
+holds one tile and `block_n` output columns and walks the expert's inputs a step at a time:
 
 - **fp8** (`[E, N, K]` e4m3, ue8m0 scale per 128 × 128 block, read as int16 pairs): a `[block_n, 128]`
   code block becomes fp16 `e4m3 · 2^-8` by moving its bits (exact; subnormals land on subnormals),
   products on fp16 tensor cores, times the block's scale.
-- **fp4** (`[E, N, K/2]` two e2m1 codes per byte, low nibble first, ue8m0 scale per row per 32 inputs):
-  each code's three magnitude bits placed as the exponent's low bits and the mantissa's top bit of an
-  fp16 make exactly `e2m1 · 2^-14` (the e2m1 subnormal 0.5 lands on the fp16 subnormal 2^-15), with
-  shifts and masks only. Per 32 inputs, one product of the low nibbles with the even inputs and one of
-  the high nibbles with the odd inputs (the codes are never interleaved), times each column's scale.
+- **fp4** (`[E, N, K/2]` two e2m1 codes per byte, low nibble first, ue8m0 scale per row per 32 inputs),
+  read as int32 words of eight codes and their scales as int32 words of four: 256 inputs (eight
+  groups) per step. Codes p and p+4 of a word sit 16 bits apart, so three 32-bit operations place
+  both as the fp16 `e2m1 · 2^-14` (its three magnitude bits as the exponent's low bits and the
+  mantissa's top bit; the subnormal 0.5 lands on fp16's subnormal 2^-15). Each code is then
+  multiplied in fp16 by `2^(s - s_max + 15)`, its group's scale relative to the largest of the step's
+  eight: exact while that is at least 2^-24 (below it, the weight rounds to a multiple of 2^-24 of
+  the step's largest scale). Eight products per step, code p of every word against inputs
+  `8j + p`, times `2^s_max`.
 
 The activations are converted to fp16 exactly (`kernels.fp16.fp16_rows`: each row scaled by a power of
 two first, undone on the sums). So every product is exact and only the fp32 summation order differs
 from the reference, which dequantizes to bf16 first: a ue8m0 scale times a code is exact in bf16.
 Float (non power-of-two) scales would round there; they are not taken here (`ValueError`).
+
+Reading codes as 2- or 4-byte words also keeps every array addressable: Pallas's Triton lowering
+computes offsets in int32 unless an array spans more than 2^32 bytes, which an array of more than
+2^31 such words always does.
 """
 
 from __future__ import annotations
@@ -26,10 +34,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsjax.kernels.fp16 import fp16_rows
+from dsjax.kernels.fp16 import fp16_rows, pow2
 from dsjax.quant import FP4_GROUP, ue8m0_bytes_to_float, ue8m0_to_float
 
 _FP8_BLOCK = 128
@@ -53,10 +62,10 @@ def group_tiles(group_sizes_e: jax.Array, n_rows: int, block_m: int) -> tuple[ja
 
 
 def addressable(codes: jax.Array) -> bool:
-    """Whether the kernel can address every element of `codes` (as it reads them: int16 pairs of e4m3,
-    bytes of e2m1). Pallas's Triton lowering computes element offsets in int32 unless the array spans
-    more than 2^32 bytes, where it switches to int64; so an array of more than 2^31 elements but at
-    most 2^32 bytes is out of reach."""
+    """Whether the kernel can address every element of `codes` as it reads them. Pallas's Triton
+    lowering computes element offsets in int32 unless the array spans more than 2^32 bytes, where it
+    switches to int64; so an array of more than 2^31 elements but at most 2^32 bytes is out of reach.
+    Read as int16 pairs (e4m3) or int32 words (e2m1), as the kernel does, no array is."""
     return codes.size <= 2 ** 31 or codes.size * codes.dtype.itemsize > 2 ** 32
 
 
@@ -65,9 +74,19 @@ def _fp16_of_bits(bits):
     return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
 
 
-def _e2m1_as_fp16(code):
-    """e2m1 codes (the low four bits of int32s) → fp16 `e2m1 · 2^-14`, exactly, by placing the bits."""
-    return _fp16_of_bits(((code & 8) << 12) | ((code & 7) << 9))
+_SIGNS = int(np.uint32(0x80008000).view(np.int32))  # the sign bits of two fp16s in one int32
+
+
+def _e2m1_pairs_as_fp16(words):
+    """int32 words of eight e2m1 codes (code i in bits 4i…4i+3) → four pairs of fp16 arrays: codes p and
+    p+4 of every word as fp16 `e2m1 · 2^-14`, exactly. Both codes of a pair are 16 bits apart, so one
+    shift of the magnitudes, one of the signs and one merge place both."""
+    pairs = []
+    for p in range(4):
+        magnitudes = (words << (9 - 4 * p)) if p < 3 else (words >> 3)
+        both = (magnitudes & 0x0E000E00) | ((words << (12 - 4 * p)) & _SIGNS)
+        pairs.append((_fp16_of_bits(both), _fp16_of_bits(both >> 16)))
+    return pairs
 
 
 def _e4m3_pair_as_fp16(pair):
@@ -80,9 +99,43 @@ def _e4m3_pair_as_fp16(pair):
     return _fp16_of_bits(first), _fp16_of_bits(second)
 
 
-def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, *refs, storage, block_m, block_n,
-            block_k, n_k):
-    *x_refs, o_ref = refs  # x's even and odd inputs, [P, K/2] each
+def _fp8_step(w_ref, s_ref, x_ref, g, n0, row0, kb, *, block_m, block_n):
+    """One 128-input block: `[block_m, block_n]` products."""
+    half = _FP8_BLOCK // 2
+    k0 = pl.multiple_of(kb * half, half)
+    # Inputs 2j and 2j+1 are the bytes of one int16: one product with the even inputs, one with the odd.
+    w_even, w_odd = _e4m3_pair_as_fp16(w_ref[g, pl.ds(n0, block_n), pl.ds(k0, half)].astype(jnp.int32))
+    part = sum(jnp.dot(x_ref[i, pl.ds(row0, block_m), pl.ds(k0, half)], w.T, preferred_element_type=jnp.float32)
+               for i, w in enumerate((w_even, w_odd)))
+    return part * (s_ref[g, n0 // _FP8_BLOCK, kb] * 2.0 ** 8)
+
+
+def _fp4_step(w_ref, s_ref, x_ref, g, n0, row0, kb, *, block_m, block_n, words):
+    """One step of `words` int32 words per row (`words / 4` 32-input groups): `[block_m, block_n]`
+    products."""
+    k0 = pl.multiple_of(kb * words, words)
+    rows = pl.ds(n0, block_n)
+    codes = w_ref[g, rows, pl.ds(k0, words)]  # [block_n, words] int32
+    # Four groups' ue8m0 exponents per scale word; word j of the codes belongs to group j // 4.
+    scale_words = [s_ref[g, rows, kb * (words // 16) + i] for i in range(words // 16)]
+    top = functools.reduce(jnp.maximum, [(sw >> (8 * q)) & 0xFF for sw in scale_words for q in range(4)])
+    j = jax.lax.broadcasted_iota(jnp.int32, (block_n, words), 1)
+    group = (scale_words[0][:, None] >> (8 * (j // 4))) & 0xFF
+    for i, sw in enumerate(scale_words[1:], 1):
+        group = jnp.where(j < 16 * i, group, (sw[:, None] >> (8 * (j // 4 - 4 * i))) & 0xFF)
+    # 2^(s − s_max + 15) in fp16 (0 below 2^-24): the codes (· 2^-14) become `e2m1 · 2^(s − s_max + 1)`.
+    relative = jnp.maximum(group - top[:, None] + 15, -40)
+    relative = pow2(relative).astype(jnp.float16)
+    part = jnp.zeros((block_m, block_n), jnp.float32)
+    for p, pair in enumerate(_e2m1_pairs_as_fp16(codes)):
+        for i, w in zip((p, p + 4), pair):
+            x = x_ref[i, pl.ds(row0, block_m), pl.ds(k0, words)]
+            part += jnp.dot(x, (w * relative).T, preferred_element_type=jnp.float32)
+    return part * (ue8m0_bytes_to_float(top) * 0.5)[None, :]
+
+
+def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, x_ref, o_ref, *, storage, block_m, block_n,
+            words, n_k):
     t, nb = pl.program_id(0), pl.program_id(1)
     rows = rows_ref[t]
 
@@ -90,32 +143,12 @@ def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, *refs, sto
     def _():
         g, row0 = group_ref[t], row0_ref[t]
         n0 = pl.multiple_of(nb * block_n, block_n)
-        f32 = jnp.float32
-
-        def step(kb, acc):
-            # Both formats hold inputs 2j and 2j+1 side by side (bytes of an int16 for e4m3, nibbles of
-            # a byte for e2m1): one product with the even inputs, one with the odd, so the codes are
-            # never interleaved.
-            half = block_k // 2
-            k0 = pl.multiple_of(kb * half, half)
-            packed = w_ref[g, pl.ds(n0, block_n), pl.ds(k0, half)].astype(jnp.int32)
-            even = x_refs[0][pl.ds(row0, block_m), pl.ds(k0, half)]
-            odd = x_refs[1][pl.ds(row0, block_m), pl.ds(k0, half)]
-            if storage == "fp8":
-                w_even, w_odd = _e4m3_pair_as_fp16(packed)
-            else:
-                w_even, w_odd = _e2m1_as_fp16(packed), _e2m1_as_fp16(packed >> 4)
-            part = (jnp.dot(even, w_even.T, preferred_element_type=f32)
-                    + jnp.dot(odd, w_odd.T, preferred_element_type=f32))
-            if storage == "fp8":
-                return acc + part * s_ref[g, n0 // _FP8_BLOCK, kb]
-            scale_n = ue8m0_bytes_to_float(s_ref[g, pl.ds(n0, block_n), kb].astype(jnp.int32) & 0xFF)
-            return acc + part * scale_n[None, :]
-
-        acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((block_m, block_n), f32))
-        # Undo the codes' placement (2^-8 for e4m3, 2^-14 for e2m1) and the rows' fp16 scaling.
-        acc = acc * (2.0 ** 8 if storage == "fp8" else 2.0 ** 14)
-        acc = acc * unscale_ref[pl.ds(row0, block_m)][:, None]
+        step = functools.partial(_fp8_step, block_m=block_m, block_n=block_n) if storage == "fp8" else \
+            functools.partial(_fp4_step, block_m=block_m, block_n=block_n, words=words)
+        step = functools.partial(step, w_ref, s_ref, x_ref, g, n0, row0)
+        acc = jax.lax.fori_loop(0, n_k, lambda kb, acc: acc + step(kb),
+                                jnp.zeros((block_m, block_n), jnp.float32))
+        acc = acc * unscale_ref[pl.ds(row0, block_m)][:, None]  # undo the rows' fp16 scaling
         mine = jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0) < rows
         pltriton.store(o_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype), mask=mine)
 
@@ -123,11 +156,12 @@ def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, *refs, sto
 @functools.partial(jax.jit, static_argnames=("storage", "block_m", "block_n", "num_warps", "num_stages",
                                              "interpret"))
 def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
-                      storage: str, layer: jax.Array | None = None, *, block_m: int = 16, block_n: int = 64,
+                      storage: str, layer: jax.Array | None = None, *, block_m: int = 16, block_n: int | None = None,
                       num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference` (same arguments but the block, which is 128 × 128 here) as a
     Pallas kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`)
-    and the kernel reads entry `layer` where it lies. Raises ValueError for what it does not take:
+    and the kernel reads entry `layer` where it lies. `block_n` defaults to 64 for FP8 (at most its
+    128-block) and 128 for FP4 (measured best on the H200). Raises ValueError for what it does not take:
     non-bf16 activations, float FP8 scales, widths that do not tile, experts it cannot address."""
     p, k = x_pk.shape
     first_expert = 0
@@ -140,49 +174,52 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
             raise ValueError(f"expert_matmul_gpu: {group_sizes_e.shape[0]} group sizes for {w_enk.shape[1]} experts")
         w_enk, scale = w_enk.reshape(-1, *w_enk.shape[2:]), scale.reshape(-1, *scale.shape[2:])
     e, n = w_enk.shape[:2]  # e: every expert of the stack
+    block_n = block_n or (64 if storage == "fp8" else 128)
     if x_pk.dtype != jnp.bfloat16:
         raise ValueError(f"expert_matmul_gpu: activations must be bf16, got {x_pk.dtype}")
     if block_m % 16 or block_n % 16:
         raise ValueError(f"expert_matmul_gpu: block_m ({block_m}) and block_n ({block_n}) must be multiples of 16")
     if n % block_n:
         raise ValueError(f"expert_matmul_gpu: {n} output columns do not tile by {block_n}")
+    if storage not in ("fp8", "fp4"):
+        raise ValueError(f"expert_matmul_gpu: storage must be 'fp8' or 'fp4', got {storage!r}")
+    if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
+        raise ValueError(f"expert_matmul_gpu: {storage.upper()} experts need ue8m0 (power-of-two) scales, got "
+                         f"{scale.dtype}: bf16 dequantization would round float scales")
+    scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
+    pieces, unscale_p = fp16_rows({0: x_pk})
+    # Every tile reads block_m rows from its first: pad so that the last tile's stay inside.
+    x16 = jnp.pad(pieces[0], ((0, block_m), (0, 0)))
     if storage == "fp8":
-        if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
-            raise ValueError("expert_matmul_gpu: FP8 experts need ue8m0 (power-of-two) scales, got "
-                             f"{scale.dtype}: bf16 dequantization would round float scales")
         if k % _FP8_BLOCK or _FP8_BLOCK % block_n or w_enk.shape[2] != k:
             raise ValueError(f"expert_matmul_gpu: FP8 experts [{e}, {n}, {w_enk.shape[2]}] against {k} inputs "
                              f"do not tile by 128-blocks and block_n {block_n}")
         if scale.shape != (e, -(-n // _FP8_BLOCK), k // _FP8_BLOCK):
             raise ValueError(f"expert_matmul_gpu: FP8 scales {scale.shape} are not 128 × 128 blocks of {w_enk.shape}")
-        block_k, scale = _FP8_BLOCK, ue8m0_to_float(scale)
+        words, n_k, scale = None, k // _FP8_BLOCK, ue8m0_to_float(scale)
         w_enk = jax.lax.bitcast_convert_type(w_enk.reshape(e, n, k // 2, 2), jnp.int16)  # a free view
-    elif storage == "fp4":
-        if k % FP4_GROUP or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
-            raise ValueError(f"expert_matmul_gpu: FP4 experts {w_enk.shape} with scales {scale.shape} do not "
-                             f"match {k} inputs in groups of {FP4_GROUP}")
-        if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
-            raise ValueError(f"expert_matmul_gpu: FP4 scales are ue8m0 bytes, got {scale.dtype}")
-        block_k = FP4_GROUP
-        scale = jax.lax.bitcast_convert_type(scale, jnp.uint8) if scale.dtype != jnp.uint8 else scale
+        x_parts = jnp.stack([x16[:, 0::2], x16[:, 1::2]])  # even and odd inputs
     else:
-        raise ValueError(f"expert_matmul_gpu: storage must be 'fp8' or 'fp4', got {storage!r}")
+        if k % 128 or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
+            raise ValueError(f"expert_matmul_gpu: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
+                             f"inputs do not make whole steps of 128 inputs in groups of {FP4_GROUP}")
+        words = 32 if k % 256 == 0 else 16  # 256 inputs per step measured best; 128 where K needs it
+        n_k = k // (8 * words)
+        # Free views: eight codes per int32 word, four groups' scales per int32 word (little-endian).
+        w_enk = jax.lax.bitcast_convert_type(w_enk.reshape(e, n, k // 8, 4), jnp.int32)
+        scale = jax.lax.bitcast_convert_type(scale.reshape(e, n, k // 128, 4), jnp.int32)
+        x_parts = jnp.stack([x16[:, i::8] for i in range(8)])  # code i of word j multiplies input 8j + i
     if not addressable(w_enk):
         raise ValueError(f"expert_matmul_gpu: experts of {w_enk.size} elements of {w_enk.dtype.itemsize} bytes "
                          "are past Triton's int32 offsets (more than 2^31 elements in at most 2^32 bytes)")
-    pieces, unscale_p = fp16_rows({0: x_pk})
-    # Every tile reads block_m rows from its first: pad so that the last tile's stay inside.
-    x16 = jnp.pad(pieces[0], ((0, block_m), (0, 0)))
-    x_parts = (x16[:, 0::2], x16[:, 1::2])
     unscale_p = jnp.pad(unscale_p, (0, block_m))
     group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
     tiles = (group_t + first_expert, row0_t, rows_t)
     out = pl.pallas_call(
-        functools.partial(_kernel, storage=storage, block_m=block_m, block_n=block_n, block_k=block_k,
-                          n_k=k // block_k),
+        functools.partial(_kernel, storage=storage, block_m=block_m, block_n=block_n, words=words, n_k=n_k),
         grid=(tiles[0].shape[0], n // block_n),
         out_shape=jax.ShapeDtypeStruct((p + block_m, n), x_pk.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="dsjax_expert_matmul",
-    )(*tiles, unscale_p, w_enk, scale, *x_parts)
+    )(*tiles, unscale_p, w_enk, scale, x_parts)
     return out[:p]

@@ -3,8 +3,6 @@ else the reference (`dispatch.py`)."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 
 from dsjax.kernels.dispatch import dispatch
@@ -21,16 +19,17 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
                   group_sizes_e: jax.Array, storage: str, block: tuple[int, int] = (128, 128), *,
                   kernels: str = "auto") -> jax.Array:
     """`reference.expert_matmul_reference`'s result, by the kernel `kernels` selects for the platform.
-    Experts given as a `StackedSlice` (with their scales) are read in place where the kernel can
-    address the whole stack; elsewhere their layer is cut out first."""
+    Experts given as a `StackedSlice` (with their scales) are read in place by the kernel; the
+    reference cuts their layer out."""
     reference = lambda: expert_matmul_reference(x_pk, as_array(w_enk), as_array(scale),  # noqa: E731
                                                 group_sizes_e, storage, block)
     gpu = []
     few_rows = x_pk.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT * w_enk.shape[0]
     if few_rows and (storage == "fp4" or tuple(block) == (128, 128)):
-        kernel = functools.partial(expert_matmul_gpu, x_pk, group_sizes_e=group_sizes_e, storage=storage)
         if isinstance(w_enk, StackedSlice) and isinstance(scale, StackedSlice):
-            gpu.append(lambda interpret: kernel(w_enk=w_enk.stack, scale=scale.stack, layer=w_enk.index,
-                                                interpret=interpret))
-        gpu.append(lambda interpret: kernel(w_enk=as_array(w_enk), scale=as_array(scale), interpret=interpret))
+            stacks = dict(w_enk=w_enk.stack, scale=scale.stack, layer=w_enk.index)
+        else:
+            stacks = dict(w_enk=as_array(w_enk), scale=as_array(scale))
+        gpu.append(lambda interpret: expert_matmul_gpu(x_pk, group_sizes_e=group_sizes_e, storage=storage,
+                                                       interpret=interpret, **stacks))
     return dispatch(reference, kernels=kernels, gpu=gpu)
