@@ -23,14 +23,14 @@ def experts(storage: str, e: int, n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("storage", ["fp8", "fp4"])
-@pytest.mark.parametrize("sizes,extra,k", [
-    ([3, 0, 17, 1, 6], 0, 256),     # an empty group, a group over two tiles
-    ([0, 0, 40, 0, 0], 5, 384),     # one group of three tiles; rows routed to no group after it
-    ([1, 1, 1, 1, 1], 11, 512),
+@pytest.mark.parametrize("sizes,extra,k,n", [
+    ([3, 0, 17, 1, 6], 0, 256, 256),     # an empty group, a group over two tiles
+    ([0, 0, 40, 0, 0], 5, 384, 256),     # one group of three tiles; rows routed to no group after it
+    ([1, 1, 1, 1, 1], 11, 512, 64),      # 64 outputs: FP4 in column blocks of 64, not 128
 ])
-def test_kernel_matches_reference(storage, sizes, extra, k):
+def test_kernel_matches_reference(storage, sizes, extra, k, n):
     """Random experts with scales spread over 2^13 (FP4 steps of 256 inputs, or 128 where K = 384)."""
-    e, n = len(sizes), 256
+    e = len(sizes)
     q, s = experts(storage, e, n, k, seed=len(sizes) + extra)
     p = sum(sizes) + extra
     x = jnp.asarray(np.random.default_rng(extra).standard_normal((p, k)) * 3, jnp.bfloat16)

@@ -161,7 +161,7 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
     """`reference.expert_matmul_reference` (same arguments but the block, which is 128 × 128 here) as a
     Pallas kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`)
     and the kernel reads entry `layer` where it lies. `block_n` defaults to 64 for FP8 (at most its
-    128-block) and 128 for FP4 (measured best on the H200). Raises ValueError for what it does not take:
+    128-block) and to 128 for FP4 where it tiles (measured best on the H200), else 64. Raises ValueError for what it does not take:
     non-bf16 activations, float FP8 scales, widths that do not tile, experts it cannot address."""
     p, k = x_pk.shape
     first_expert = 0
@@ -174,7 +174,7 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
             raise ValueError(f"expert_matmul_gpu: {group_sizes_e.shape[0]} group sizes for {w_enk.shape[1]} experts")
         w_enk, scale = w_enk.reshape(-1, *w_enk.shape[2:]), scale.reshape(-1, *scale.shape[2:])
     e, n = w_enk.shape[:2]  # e: every expert of the stack
-    block_n = block_n or (64 if storage == "fp8" else 128)
+    block_n = block_n or (128 if storage == "fp4" and n % 128 == 0 else 64)
     if x_pk.dtype != jnp.bfloat16:
         raise ValueError(f"expert_matmul_gpu: activations must be bf16, got {x_pk.dtype}")
     if block_m % 16 or block_n % 16:
