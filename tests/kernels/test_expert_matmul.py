@@ -59,6 +59,18 @@ def test_fp4_scales_relative_to_the_steps_largest_are_exact_down_to_2_pow_minus_
 
 
 @pytest.mark.parametrize("storage", ["fp8", "fp4"])
+def test_scales_as_float8_e8m0fnu_read_as_their_bytes(storage):
+    """Scales held as `float8_e8m0fnu` (how a checkpoint may type them) give the uint8 bytes' result."""
+    q, s = experts(storage, 2, 128, 256)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((6, 256)), jnp.bfloat16)
+    sizes = jnp.asarray([4, 2], jnp.int32)
+    typed = jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
+    np.testing.assert_array_equal(
+        np.asarray(expert_matmul_gpu(x, q, typed, sizes, storage, interpret=True), np.float32),
+        np.asarray(expert_matmul_gpu(x, q, s, sizes, storage, interpret=True), np.float32))
+
+
+@pytest.mark.parametrize("storage", ["fp8", "fp4"])
 def test_kernel_reads_one_layer_of_stacked_experts_in_place(storage):
     """With `layer`, the kernel reads that entry of `[L, E, …]` stacks: the same result as the kernel on
     the layer cut out, and (through the op, given `StackedSlice`s) as the reference on it."""
