@@ -72,7 +72,7 @@ class _Slots:
         if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):
             arrays = SamplingArrays.of([r.sampling if r else _IDLE for r in reqs],
                                        [r.seed if r else 0 for r in reqs], self.engine.sampling_modes)
-            self.engine.sampling_modes = arrays.modes  # only ever widens: each widening compiles once
+            self.engine.widen_sampling(arrays.modes)
             self._sampling = (reqs, arrays)
         return self._sampling[1]
 
@@ -94,7 +94,7 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     n = engine.num_slots
     slots = _Slots(n, engine.max_len, engine)
     if isinstance(requests, Sequence):  # known up front: the steps compile for the whole job's needs once
-        engine.sampling_modes |= SamplingModes.of([r.sampling for r in requests])
+        engine.widen_sampling(SamplingModes.of([r.sampling for r in requests]))
     cache = engine.new_cache()
     pending = iter(requests)
     exhausted = False

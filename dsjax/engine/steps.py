@@ -76,11 +76,17 @@ class Engine:
         self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
         self.graphdef, self.params = nnx.split(model)
         self._static = StaticGraph(self.graphdef)
-        # The sampler parts the steps have needed so far (`SamplingModes`); the scheduler widens them.
+        # The sampler parts the steps have needed so far (`SamplingModes`); only `widen_sampling` changes them.
         self.sampling_modes = SamplingModes(random=False, filtered=False, logprobs=False)
         # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
         # context once, so every step would be traced again by the next engine. Import it before.
         import tokamax  # noqa: F401
+
+    def widen_sampling(self, modes: SamplingModes) -> SamplingModes:
+        """Add `modes` to the sampler parts the steps compile for, and return them all. They only ever
+        widen, so each widening compiles the steps once and later, narrower jobs reuse them."""
+        self.sampling_modes = self.sampling_modes | modes
+        return self.sampling_modes
 
     def new_cache(self) -> Cache:
         """An empty cache; under `jax.set_mesh` each device holds the slots the rules give it."""
