@@ -143,8 +143,9 @@ def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, x_ref, o_r
     def _():
         g, row0 = group_ref[t], row0_ref[t]
         n0 = pl.multiple_of(nb * block_n, block_n)
-        step = functools.partial(_fp8_step, block_m=block_m, block_n=block_n) if storage == "fp8" else \
-            functools.partial(_fp4_step, block_m=block_m, block_n=block_n, words=words)
+        blocks = dict(block_m=block_m, block_n=block_n)
+        step = (functools.partial(_fp8_step, **blocks) if storage == "fp8"
+                else functools.partial(_fp4_step, words=words, **blocks))
         step = functools.partial(step, w_ref, s_ref, x_ref, g, n0, row0)
         acc = jax.lax.fori_loop(0, n_k, lambda kb, acc: acc + step(kb),
                                 jnp.zeros((block_m, block_n), jnp.float32))
@@ -161,8 +162,9 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
     """`reference.expert_matmul_reference` (same arguments but the block, which is 128 × 128 here) as a
     Pallas kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`)
     and the kernel reads entry `layer` where it lies. `block_n` defaults to 64 for FP8 (at most its
-    128-block) and to 128 for FP4 where it tiles (measured best on the H200), else 64. Raises ValueError for what it does not take:
-    non-bf16 activations, float FP8 scales, widths that do not tile, experts it cannot address."""
+    128-block) and to 128 for FP4 where it tiles (measured best on the H200), else 64. Raises
+    ValueError for what it does not take: non-bf16 activations, float scales, widths that do not tile,
+    experts it cannot address."""
     p, k = x_pk.shape
     first_expert = 0
     if layer is not None:  # entry `layer` of L stacks of E experts: experts layer·E … of L·E
