@@ -1,0 +1,225 @@
+"""The grouped matmul over FP4 experts as a Mosaic GPU (Hopper wgmma) kernel, where the decoded codes
+are wgmma's register operand A: for 128 rows or more (decode at 32 sequences and up) it replaces the
+Triton kernel (`gpu.py`), which it beats by 1.18× at 32 tokens and 1.27× at 128 on V4-Flash's gate_up
+(docs/benchmarks.md, 2026-11-30, eighth session). Same arguments, same arithmetic, same result.
+
+Each program holds one tile of `BLOCK_M` rows of one expert (`gpu.group_tiles`) and `FEATURES` output
+features, computes `outᵀ[features, rows] = W · xᵀ` (wgmma's M is 64: the features, its N the rows)
+and walks the inputs `8 · WORDS` at a time:
+
+- the codes stream in as int32 words of eight through a TMA pipeline and are loaded in wgmma's 32-bit
+  register layout: a thread holds words 2t and 2t+1 of every eight, of rows r and r+8. Codes p and
+  p+4 of a word, moved into the two halves as fp16 `e2m1 · 2^-14` (three 32-bit operations, as in
+  `gpu.py`), then already form a register of the 16-bit A fragment, with no data movement, provided
+  the inputs are renumbered: fp16 column `16b + 8s + 2t + h` of pair p holds code `p + 4h` of word
+  `8b + 2t + s` (`input_order`). The activations are renumbered to match outside the kernel;
+- each code is multiplied in fp16 by `2^(s − s_max + 15)`, its 32-input group's ue8m0 scale relative
+  to the largest of its row (all of K), exact while that is at least 2^-24 of the largest; the sums
+  are scaled by `2^(s_max − 128)` once at the end;
+- the activations are fp16 exactly (`kernels.fp16.fp16_rows`), so, as in `gpu.py`, every product is
+  exact and only the fp32 summation order differs from the reference.
+
+The register reinterpretation is inline Mosaic GPU code, which Mosaic GPU's interpreter cannot run,
+nor can it take wgmma's A from registers: interpreted (`interpret=True`, the CPU tests), the same
+fragments are built with jnp (bitcast and transpose) and pass through shared memory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import vector
+
+from dsjax.kernels.expert_matmul.gpu import group_tiles
+from dsjax.kernels.fp16 import fp16_rows, pow2
+from dsjax.quant import FP4_GROUP
+
+WORDS = 32      # int32 code words per row per step (256 inputs): measured best against 64
+FEATURES = 64   # output features per program (wgmma's M): measured best against 128
+BLOCK_M = 16    # rows per tile (wgmma's N): measured best against 8 and 32 from 128 rows on
+STAGES = 2      # steps in flight: measured best against 3 and 4
+MIN_ROWS = 128  # below, the Triton kernel is faster (8 tokens × 6 experts: 0.37 ms against 0.46)
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_SIGNS = int(np.uint32(0x80008000).view(np.int32))  # the sign bits of two fp16s in one int32
+_INT_MIN = int(np.iinfo(np.int32).min)
+
+
+def input_order(k: int) -> np.ndarray:
+    """`[4, K/4]`: for pair p and fp16 column c of its A fragments, the input that column multiplies."""
+    c = np.arange(k // 4)
+    b, rest = np.divmod(c, 16)
+    s, rest = np.divmod(rest, 8)
+    t, h = np.divmod(rest, 2)
+    word = 8 * b + 2 * t + s
+    return np.stack([8 * word + p + 4 * h for p in range(4)])
+
+
+def _as_fp16(words, interpret: bool):
+    """int32 `[64, 8m]` → fp16 `[64, 16m]`: fp16 column `16b + 8s + 2t + h` is half h (low first) of
+    element `8b + 2t + s`. In wgmma's layouts that is every register as it is."""
+    rows, cols = words.shape
+    if interpret:
+        halves = lax.bitcast_convert_type(words, jnp.float16).reshape(rows, cols // 8, 4, 2, 2)  # b, t, s, h
+        return jnp.swapaxes(halves, 2, 3).reshape(rows, 2 * cols)
+
+    @plgpu.inline_mgpu(arg_types=(_WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct((rows, 2 * cols), jnp.float16, layout=_WGMMA))
+    def reinterpret(ctx, arr):
+        del ctx
+        regs = arr.registers
+        f16x4 = ir.VectorType.get((4,), ir.F16Type.get())
+        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+        out = np.empty((regs.shape[0], 2 * regs.shape[1], *regs.shape[2:]), dtype=object)
+        for idx in np.ndindex(regs.shape):
+            both = vector.bitcast(f16x4, regs[idx])  # a thread's two int32 of a row → four fp16
+            for s in range(2):
+                out[(idx[0], 2 * idx[1] + s, *idx[2:])] = vector.extract_strided_slice(f16x2, both, [2 * s], [2], [1])
+        return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return reinterpret(words)
+
+
+def _pairs(words):
+    """Four int32 arrays: codes p and p+4 of each word as two fp16 `e2m1 · 2^-14` (bit moves only)."""
+    out = []
+    for p in range(4):
+        magnitudes = (words << (9 - 4 * p)) if p < 3 else lax.shift_right_logical(words, 3)
+        out.append((magnitudes & 0x0E000E00) | ((words << (12 - 4 * p)) & _SIGNS))
+    return out
+
+
+def _column(block, c):
+    """Column c (a traced index) of an int32 `[64, 8]` block, as one value per row."""
+    col = plgpu.broadcasted_iota(jnp.int32, block.shape, 1, layout=_WGMMA)
+    return jnp.max(jnp.where(col == c, block, _INT_MIN), axis=1)
+
+
+def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
+          interpret: bool):
+    t, nb = lax.axis_index("t"), lax.axis_index("n")
+    plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
+    plgpu.barrier_wait(bar)
+    g, rows = tiles_smem[0, 0], tiles_smem[0, 2]
+    n0 = pl.multiple_of(nb * FEATURES, FEATURES)
+
+    @pl.when(rows > 0)
+    def _():
+        plgpu.copy_gmem_to_smem(s_ref.at[g, pl.ds(n0, FEATURES)], s_smem, bar)  # [64, K/128] scale words
+        plgpu.barrier_wait(bar)
+        everything = plgpu.load(s_smem, layout=_WGMMA, optimized=False)
+        top = functools.reduce(jnp.maximum, [lax.shift_right_logical(everything, 8 * q) & 0xFF for q in range(4)])
+        top = jnp.max(top, axis=1)  # each row's largest ue8m0 exponent
+        j = plgpu.broadcasted_iota(jnp.int32, (FEATURES, WORDS), 1, layout=_WGMMA)
+        per_step = WORDS // 16  # scale words per step: four groups of four code words each
+
+        def step(idx, codes_smem, *x_smem):
+            (kb,) = idx
+            words = plgpu.load(codes_smem, layout=_WGMMA)  # [64, WORDS] int32
+            c8 = pl.multiple_of(kb * per_step // 8 * 8, 8)
+            block = plgpu.load(s_smem.at[:, pl.ds(c8, 8)], layout=_WGMMA, optimized=False)
+            group = jnp.zeros((FEATURES, WORDS), jnp.int32)
+            for i in range(per_step):  # word j's group: byte (j // 4) % 4 of scale word j // 16
+                sw = lax.broadcast_in_dim(_column(block, kb * per_step + i - c8), (FEATURES, WORDS), (0,))
+                group = jnp.where(j // 16 == i, lax.shift_right_logical(sw, 8 * ((j // 4) % 4)) & 0xFF, group)
+            # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
+            biased = jnp.clip(group - lax.broadcast_in_dim(top, (FEATURES, WORDS), (0,)) + 30, 0, 31) << 10
+            relative = _as_fp16(biased | (biased << 16), interpret)
+            for p, pair in enumerate(_pairs(words)):
+                a = _as_fp16(pair, interpret) * relative
+                if interpret:  # the interpreter takes wgmma's A from shared memory only
+                    a_smem[0][...] = a
+                    plgpu.commit_smem()
+                    a = a_smem[0]
+                plgpu.wgmma(acc_ref, a, x_smem[p].T)
+            plgpu.wgmma_wait(0)
+
+        def pipelined(acc):
+            nonlocal acc_ref
+            acc_ref = acc
+            plgpu.emit_pipeline(
+                step, grid=(n_k,),
+                in_specs=[
+                    plgpu.BlockSpec((FEATURES, WORDS), lambda kb: (0, kb),
+                                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+                    *[plgpu.BlockSpec((BLOCK_M, 2 * WORDS), lambda kb: (0, kb),
+                                      transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))] * 4,
+                ],
+                max_concurrent_steps=STAGES,
+            )(w_ref.at[g, pl.ds(n0, FEATURES)], *(x_ref.at[p, t] for p in range(4)))
+            return acc[...]
+
+        acc_ref = None
+        acc = pl.run_scoped(pipelined, plgpu.ACC((FEATURES, BLOCK_M), jnp.float32))
+        acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[t, pl.ds(n0, FEATURES)])
+        plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
+                         layer: jax.Array | None = None, *, interpret: bool = False) -> jax.Array:
+    """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, "fp4")` as a Mosaic GPU
+    kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`) and
+    the kernel reads entry `layer` where it lies. Raises ValueError for what it does not take:
+    non-bf16 activations, float scales, widths that do not tile (K a multiple of 1024, N of 64)."""
+    p, k = x_pk.shape
+    first_expert = 0
+    if layer is not None:
+        if w_enk.ndim != 4 or scale.shape[:2] != w_enk.shape[:2]:
+            raise ValueError(f"expert_matmul_mosaic: a layer of stacked experts needs [L, E, …] experts and scales, "
+                             f"got {w_enk.shape} and {scale.shape}")
+        if group_sizes_e.shape[0] != w_enk.shape[1]:
+            raise ValueError(f"expert_matmul_mosaic: {group_sizes_e.shape[0]} group sizes for {w_enk.shape[1]} "
+                             "experts")
+        first_expert = jnp.asarray(layer, jnp.int32) * w_enk.shape[1]
+        w_enk, scale = w_enk.reshape(-1, *w_enk.shape[2:]), scale.reshape(-1, *scale.shape[2:])
+    e, n = w_enk.shape[:2]  # e: every expert of the stack
+    if x_pk.dtype != jnp.bfloat16:
+        raise ValueError(f"expert_matmul_mosaic: activations must be bf16, got {x_pk.dtype}")
+    if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
+        raise ValueError(f"expert_matmul_mosaic: FP4 experts need ue8m0 (power-of-two) scales, got {scale.dtype}")
+    if k % (8 * FP4_GROUP * 4) or n % FEATURES or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
+        raise ValueError(f"expert_matmul_mosaic: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
+                         f"inputs do not tile (inputs by 1024, outputs by {FEATURES})")
+    # Free views: eight codes per int32 word, four groups' scales per int32 word (little-endian).
+    words = lax.bitcast_convert_type(w_enk.reshape(e, n, k // 8, 4), jnp.int32)
+    scale = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint8).reshape(e, n, k // 128, 4), jnp.int32)
+    pieces, unscale_p = fp16_rows({0: x_pk})
+    x_qpc = jnp.moveaxis(pieces[0][:, input_order(k)], 1, 0)  # [4, P, K/4]: pair p's inputs, renumbered
+    x_qpc = jnp.pad(x_qpc, ((0, 0), (0, BLOCK_M), (0, 0)))
+    group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, BLOCK_M)
+    # Each tile's rows gathered ([4, T, BLOCK_M, K/4]): TMA into tiled shared memory needs row offsets
+    # that are multiples of 8, and a tile starts wherever its expert's rows do.
+    x_qtmc = x_qpc[:, row0_t[:, None] + jnp.arange(BLOCK_M)]
+    tiles = jnp.stack([group_t + first_expert, row0_t, rows_t, rows_t], axis=1)  # [T, 4]
+    n_tiles = tiles.shape[0]
+    scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM((FEATURES, k // 128), jnp.int32),
+               plgpu.SMEM((FEATURES, BLOCK_M), jnp.float32), plgpu.Barrier()]
+    if interpret:
+        scratch.append(plgpu.SMEM((FEATURES, 2 * WORDS), jnp.float16))
+
+    def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
+        _body(*refs, n_k=k // (8 * WORDS), interpret=interpret)
+
+    kernel = plgpu.kernel(
+        dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, BLOCK_M), jnp.float32),
+        scratch_types=scratch, grid=(n_tiles, n // FEATURES), grid_names=("t", "n"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    out_tnm = kernel(tiles, x_qtmc, words, scale)
+    # Row i of the expert-sorted rows is row i - row0 of its tile; tiles holding rows come first, in order.
+    tile_p = jnp.searchsorted(jnp.where(rows_t > 0, row0_t + rows_t, p + 1), jnp.arange(p), side="right")
+    tile_p = jnp.minimum(tile_p, n_tiles - 1)
+    out_pn = out_tnm[tile_p, :, jnp.arange(p) - row0_t[tile_p]]
+    return (out_pn * unscale_p[:, None]).astype(x_pk.dtype)

@@ -1,0 +1,168 @@
+"""The Mosaic GPU FP4 expert kernel: in Mosaic GPU's interpreter on CPU and natively on a GPU against
+the reference on random inputs, its row-wide relative scales, stacked layers read in place, where the
+op takes it instead of the Triton kernel, and what it refuses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsjax.export import abstract_device, disabled_checks
+from dsjax.kernels.expert_matmul import mosaic
+from dsjax.kernels.expert_matmul.mosaic import expert_matmul_mosaic, input_order
+from dsjax.kernels.expert_matmul.op import expert_matmul
+from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
+from dsjax.stacked import StackedSlice
+from tests.kernels.test_expert_matmul import experts
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def close(got, want):
+    """Every product is exact in both; the fp32 sums run in another order, then round to bf16."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+
+
+def test_input_order_renumbers_every_input_once_per_pair():
+    order = input_order(2048)
+    assert order.shape == (4, 512)
+    np.testing.assert_array_equal(np.sort(order.reshape(-1)), np.arange(2048))
+    # pair p holds codes p and p + 4 of each word: inputs 8j + p and 8j + p + 4
+    for p in range(4):
+        assert set(np.unique(order[p] % 8)) == {p, p + 4}
+
+
+@pytest.mark.parametrize("sizes,extra,k,n", [
+    ([3, 0, 17, 1, 6], 0, 1024, 128),    # an empty group, a group over two tiles
+    ([0, 0, 40, 0, 0], 5, 2048, 64),     # one group of three tiles; rows routed to no group after it
+    ([1, 1, 1, 1, 1], 11, 1024, 192),    # one-row groups, three feature blocks
+])
+def test_kernel_matches_reference(sizes, extra, k, n):
+    """Random experts with scales spread over 2^13 (interpreted: no GPU needed)."""
+    e = len(sizes)
+    q, s = experts("fp4", e, n, k, seed=len(sizes) + extra)
+    p = sum(sizes) + extra
+    x = jnp.asarray(np.random.default_rng(extra).standard_normal((p, k)) * 3, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)
+    assert got.shape == (p, n) and got.dtype == jnp.bfloat16
+    close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
+
+
+def test_scales_relative_to_the_rows_largest_are_exact_down_to_2_pow_minus_24():
+    """Codes are scaled in fp16 relative to the largest scale of their whole row (not of their step,
+    as in the Triton kernel): a group 2^24 below it, in another step, is still exact; one 2^30 below
+    rounds to zero (an error under 2^-25 of the largest)."""
+    e, n, k = 1, 64, 1024
+    codes = jnp.full((e, n, k // 2), 0x11, jnp.uint8)  # every code 0.5
+    exponents = np.full((e, n, k // 32), 127, np.uint8)
+    exponents[..., 0], exponents[..., 16], exponents[..., 31] = 127 + 10, 127 + 10 - 24, 127 + 10 - 30
+    scale = jnp.asarray(exponents)
+    sizes = jnp.asarray([1], jnp.int32)
+    for column, want in ((0, 0.5 * 2.0 ** 10), (512, 0.5 * 2.0 ** -14), (1000, 0.0), (40, 0.5)):
+        x = jnp.zeros((1, k), jnp.bfloat16).at[0, column].set(1)
+        got = expert_matmul_mosaic(x, codes, scale, sizes, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.full((1, n), want, np.float32))
+
+
+def test_scales_as_float8_e8m0fnu_read_as_their_bytes():
+    q, s = experts("fp4", 2, 64, 1024)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((6, 1024)), jnp.bfloat16)
+    sizes = jnp.asarray([4, 2], jnp.int32)
+    typed = jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
+    np.testing.assert_array_equal(np.asarray(expert_matmul_mosaic(x, q, typed, sizes, interpret=True), np.float32),
+                                  np.asarray(expert_matmul_mosaic(x, q, s, sizes, interpret=True), np.float32))
+
+
+def test_kernel_reads_one_layer_of_stacked_experts_in_place():
+    """With `layer`, the kernel reads that entry of `[L, E, …]` stacks: the same result as on the layer
+    cut out; and the op, given `StackedSlice`s and `MIN_ROWS` rows, runs this kernel."""
+    layers = [experts("fp4", 3, 64, 1024, seed=s) for s in range(2)]
+    q, s = jnp.stack([w for w, _ in layers]), jnp.stack([sc for _, sc in layers])
+    rows = mosaic.MIN_ROWS
+    sizes = jnp.asarray([50, 0, rows - 60], jnp.int32)  # ten rows routed to no expert
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((rows, 1024)), jnp.bfloat16)
+    for layer in range(2):
+        index = jnp.int32(layer)
+        got = expert_matmul_mosaic(x, q, s, sizes, index, interpret=True)[:rows - 10]
+        alone = expert_matmul_mosaic(x, q[layer], s[layer], sizes, interpret=True)[:rows - 10]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alone, np.float32))
+        via_op = expert_matmul(x, StackedSlice(q, index), StackedSlice(s, index), sizes, "fp4", kernels="interpret")
+        np.testing.assert_array_equal(np.asarray(via_op[:rows - 10], np.float32), np.asarray(got, np.float32))
+        close(got, expert_matmul_reference(x, q[layer], s[layer], sizes, "fp4")[:rows - 10])
+
+
+def lowered_op(storage: str, rows: int, stacked: bool = False) -> str:
+    """The op on `rows` rows, lowered for cuda, as MLIR text."""
+    q, s = experts(storage, 4, 128, 1024)
+    if stacked:
+        q, s = jnp.stack([q, q]), jnp.stack([s, s])
+        fn = lambda x, g: expert_matmul(x, StackedSlice(q, jnp.int32(1)), StackedSlice(s, jnp.int32(1)), g,  # noqa: E731
+                                        storage)
+    else:
+        fn = lambda x, g: expert_matmul(x, q, s, g, storage)  # noqa: E731
+    h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
+    with jax.sharding.use_abstract_mesh(h200):
+        return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
+            jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)).mlir_module()
+
+
+def test_op_takes_this_kernel_for_fp4_from_min_rows_on():
+    """Below `MIN_ROWS` rows, and for FP8, the Triton kernel; from it on, for FP4, this one, given the
+    whole stack (no op cuts the layer out)."""
+    assert "dsjax_expert_matmul_mosaic" not in lowered_op("fp4", mosaic.MIN_ROWS - 1)
+    assert "dsjax_expert_matmul" in lowered_op("fp4", mosaic.MIN_ROWS - 1)
+    assert "dsjax_expert_matmul_mosaic" not in lowered_op("fp8", mosaic.MIN_ROWS)
+    text = lowered_op("fp4", mosaic.MIN_ROWS, stacked=True)
+    assert "dsjax_expert_matmul_mosaic" in text
+    for layer in ("4x128x512xi8", "4x128x128xi32"):  # one layer's codes, as stored or as the kernel's words
+        assert f"tensor<{layer}>" not in text and f"tensor<1x{layer}>" not in text
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda x, q, s: (x.astype(jnp.float32), q, s), "activations must be bf16"),
+    (lambda x, q, s: (x, q, s.astype(jnp.float32)), "ue8m0"),
+    (lambda x, q, s: (x[:, :512], q[:, :, :256], s[:, :, :16]), "do not tile"),
+    (lambda x, q, s: (x, q[:, :96], s[:, :96]), "do not tile"),
+    (lambda x, q, s: (x, q, s, 0), "stacked experts needs"),
+    (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], 0), "stacked experts needs"),
+    (lambda x, q, s: (x, q[None, :1], s[None, :1], 0), "2 group sizes for 1 experts"),
+])
+def test_refuses_what_it_does_not_take_with_a_clear_error(change, message):
+    q, s = experts("fp4", 2, 128, 1024)
+    x = jnp.ones((8, 1024), jnp.bfloat16)
+    x, q, s, *layer = change(x, q, s)
+    with pytest.raises(ValueError, match=message):
+        expert_matmul_mosaic(x, q, s, jnp.asarray([4, 4], jnp.int32), *layer, interpret=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("k", [4096, 2048])
+def test_native_kernel_matches_reference(k):
+    """Compiled (the register reinterpretation and register-A wgmma, which the interpreter replaces):
+    V4-Flash's expert widths (gate_up 4096 inputs, down_proj 2048), 32 tokens' worth of rows."""
+    e, n = 16, 512
+    q, s = experts("fp4", e, n, k)
+    rng = np.random.default_rng(1)
+    sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
+    close(expert_matmul_mosaic(x, q, s, sizes), expert_matmul_reference(x, q, s, sizes, "fp4"))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("stack", [(3, 256, 4096, 2048), (3, 256, 4096, 1024)])
+def test_native_kernel_reads_a_layer_past_4_gib_of_stacked_experts(stack):
+    """Three layers of V4-Flash's FP4 gate_up (6 GiB) and down_proj (3 GiB) stacked: the last layer
+    read in place equals the kernel on that layer cut out (random codes)."""
+    key_w, key_s, key_x = jax.random.split(jax.random.key(0), 3)
+    words = jax.random.bits(key_w, (*stack[:-1], stack[-1] // 4), jnp.uint32)
+    q = jax.lax.bitcast_convert_type(words, jnp.int8).reshape(stack)
+    del words
+    l, e, n, width = stack
+    s = jax.random.randint(key_s, (l, e, n, width // 16), 120, 131).astype(jnp.uint8)
+    x = jax.random.normal(key_x, (192, 2 * width), jnp.bfloat16)
+    sizes = jnp.asarray(np.random.default_rng(0).multinomial(192, np.ones(e) / e), jnp.int32)
+    got = np.asarray(expert_matmul_mosaic(x, q, s, sizes, jnp.int32(l - 1)), np.float32)
+    alone = np.asarray(expert_matmul_mosaic(x, q[l - 1], s[l - 1], sizes), np.float32)
+    np.testing.assert_array_equal(got, alone)
