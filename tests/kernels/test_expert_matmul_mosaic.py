@@ -9,7 +9,7 @@ import pytest
 
 from dsjax.export import abstract_device, disabled_checks
 from dsjax.kernels.expert_matmul import mosaic
-from dsjax.kernels.expert_matmul.mosaic import expert_matmul_mosaic, input_order
+from dsjax.kernels.expert_matmul.mosaic import expert_matmul_mosaic, input_order, renumbered
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
 from dsjax.stacked import StackedSlice
@@ -31,6 +31,8 @@ def test_input_order_renumbers_every_input_once_per_pair():
     # pair p holds codes p and p + 4 of each word: inputs 8j + p and 8j + p + 4
     for p in range(4):
         assert set(np.unique(order[p] % 8)) == {p, p + 4}
+    x = jnp.arange(3 * 2048, dtype=jnp.int32).reshape(3, 2048)
+    np.testing.assert_array_equal(renumbered(x), np.moveaxis(np.asarray(x)[:, order], 1, 0))
 
 
 @pytest.mark.parametrize("sizes,extra,k,n", [
@@ -98,10 +100,11 @@ def lowered_op(storage: str, rows: int, stacked: bool = False) -> str:
     q, s = experts(storage, 4, 128, 1024)
     if stacked:
         q, s = jnp.stack([q, q]), jnp.stack([s, s])
-        fn = lambda x, g: expert_matmul(x, StackedSlice(q, jnp.int32(1)), StackedSlice(s, jnp.int32(1)), g,  # noqa: E731
-                                        storage)
+        def fn(x, g):
+            return expert_matmul(x, StackedSlice(q, jnp.int32(1)), StackedSlice(s, jnp.int32(1)), g, storage)
     else:
-        fn = lambda x, g: expert_matmul(x, q, s, g, storage)  # noqa: E731
+        def fn(x, g):
+            return expert_matmul(x, q, s, g, storage)
     h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
     with jax.sharding.use_abstract_mesh(h200):
         return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
