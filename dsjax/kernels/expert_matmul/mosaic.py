@@ -208,8 +208,9 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     x_qpc = renumbered(jnp.pad(pieces[0], ((0, BLOCK_M), (0, 0))))  # [4, P + BLOCK_M, K/4]
     group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, BLOCK_M)
     # Each tile's rows copied out ([4, T, BLOCK_M, K/4]): TMA into tiled shared memory needs row offsets
-    # that are multiples of 8, and a tile starts wherever its expert's rows do. As slabs of BLOCK_M rows
-    # (one index each), not row by row: that gather took 0.76 of a 7.01 ms decode step at 32 sequences.
+    # that are multiples of 8, and a tile starts wherever its expert's rows do. On the H200 these copies
+    # (T ≥ E tiles, mostly of padding rows) cost 0.76 ms of a 7.0 ms decode step at 32 sequences, whether
+    # gathered row by row or as slabs: docs/kernels.md has the plan that drops them.
     x_qtmc = jax.vmap(lambda r: lax.dynamic_slice_in_dim(x_qpc, r, BLOCK_M, axis=1), out_axes=1)(row0_t)
     tiles = jnp.stack([group_t + first_expert, row0_t, rows_t, rows_t], axis=1)  # [T, 4]
     n_tiles = tiles.shape[0]
