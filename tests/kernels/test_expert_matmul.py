@@ -27,6 +27,7 @@ def experts(storage: str, e: int, n: int, k: int, seed: int = 0):
     ([3, 0, 17, 1, 6], 0, 256, 256),     # an empty group, a group over two tiles
     ([0, 0, 40, 0, 0], 5, 384, 256),     # one group of three tiles; rows routed to no group after it
     ([1, 1, 1, 1, 1], 11, 512, 64),      # 64 outputs: FP4 in column blocks of 64, not 128
+    ([2, 0, 3], 1, 256, 256),            # 6 rows (one token): FP4 in column blocks of 64
 ])
 def test_kernel_matches_reference(storage, sizes, extra, k, n):
     """Random experts with scales spread over 2^13 (FP4 steps of 256 inputs, or 128 where K = 384)."""
