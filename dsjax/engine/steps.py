@@ -107,15 +107,13 @@ class Engine:
     def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
         """Feed each active slot its last token and sample the next; inactive slots are untouched."""
-        return _decode(self._static, self.params, cache, jnp.asarray(last_tokens, jnp.int32),
-                       jnp.asarray(active, bool), sampling)
+        return _decode(self._static, self.params, cache, *_step_inputs(last_tokens, active), sampling)
 
     def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
                      sampling: SamplingArrays) -> jax.stages.Lowered:
         """The decode step lowered for these arguments (to compile with other options, or inspect);
         its compiled form takes `(self.params, cache, last_tokens, active, sampling)`."""
-        return _decode.lower(self._static, self.params, cache, jnp.asarray(last_tokens, jnp.int32),
-                             jnp.asarray(active, bool), sampling)
+        return _decode.lower(self._static, self.params, cache, *_step_inputs(last_tokens, active), sampling)
 
     def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
                 sampling: SamplingArrays, pad_slots: Sequence[int] = ()) -> tuple[Cache, Sampled]:
@@ -149,6 +147,18 @@ class Engine:
             out = sampled if out is None else jax.tree.map(
                 lambda new, old: jnp.where(_expand(jnp.asarray(ends_here), new), new, old), sampled, out)
         return cache, out
+
+
+def _step_inputs(last_tokens, active) -> tuple[jax.Array, jax.Array]:
+    """The decode step's tokens and active mask, replicated over the context mesh if there is one. The
+    scheduler passes the host's tokens to the first step after a prefill and the step in flight's
+    (replicated, on the mesh) to the others: under a mesh their shardings differed, and the step
+    compiled twice, the second time inside the decode loop."""
+    last_tokens, active = jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)
+    mesh = jax.sharding.get_mesh()
+    if not mesh.axis_names:
+        return last_tokens, active
+    return jax.device_put((last_tokens, active), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _cache_specs(cache: Cache):

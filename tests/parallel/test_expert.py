@@ -211,3 +211,24 @@ def test_tensor_parallelism_splits_heads_and_ffn_width(model):
     assert gate_up.addressable_shards[0].data.shape[-1] == cfg.moe_intermediate_size
     down = sharded.mlp.experts.down_proj[...]
     assert down.addressable_shards[0].data.shape[-2] == cfg.moe_intermediate_size // 2
+
+
+def test_decode_fed_the_step_in_flights_tokens_does_not_compile_again(model):
+    """The scheduler feeds the first decode step after a prefill the host's tokens and the later ones the
+    step in flight's (on the mesh): both reach the step replicated on the mesh, so one decode step
+    (two tokens) compiles everything a longer run needs."""
+    from dsjax.engine.scheduler import Request, run
+    from dsjax.engine.steps import Engine
+
+    mesh = make_mesh("dp=2,ep=4")
+    sharded = shard_model(model, mesh)
+
+    def requests(n):
+        return [Request(i, (5, 6, 7), SamplingParams(temperature=0.0, max_tokens=n), i, frozenset()) for i in range(8)]
+
+    with jax.set_mesh(mesh):
+        engine = Engine(sharded, num_slots=8, max_len=16, chunk_size=8)
+        list(run(engine, requests(2)))
+        warm = Engine.compilations()
+        events = list(run(engine, requests(6)))
+    assert Engine.compilations() == warm and len(events) == 8 * 6
