@@ -35,7 +35,10 @@ from dsjax.info import component
 from dsjax.model import DeepseekV4
 from dsjax.quantize import V4_QUANT
 
-PARTS = ("attention", "indexer", "moe", "rest")
+PARTS = ("attention", "indexer", "moe", "collectives", "rest")
+# Collectives by HLO instruction (all-to-all.3, all-gather-start.1, ...); NCCL's kernels by name.
+_COLLECTIVE = re.compile(r"(?:ragged[-_])?(?:all[-_]to[-_]all|all[-_]gather|all[-_]reduce|reduce[-_]scatter|"
+                         r"collective[-_]permute)")
 WEIGHTS = ("bf16", "fp8")
 
 
@@ -241,11 +244,13 @@ def _part_of(op_name: str) -> str:
 
 
 def attribute_trace(trace_dir: str, hlo_text: str, steps: int) -> dict:
-    """Seconds per step of each part, from the device kernels of a profiler trace (`trace_dir`, written
-    by `jax.profiler.trace`) of `steps` runs of the compiled module `hlo_text`. Kernels are matched to
-    the module's instructions by the `hlo_op` the GPU runtime records with each launch (else by their
-    name); those that match none are counted as `unattributed`. Returns {} where the trace has no
-    device kernels (CPU)."""
+    """Seconds per step and device of each part, from the device kernels of a profiler trace (`trace_dir`,
+    written by `jax.profiler.trace`) of `steps` runs of the compiled module `hlo_text`. Kernels are
+    matched to the module's instructions by the `hlo_op` the GPU runtime records with each launch (else
+    by their name); those that match none are counted as `unattributed`. Collectives (and NCCL's
+    kernels) are their own part, wherever they run. With several devices in the trace (a mesh), the
+    times are their mean (`devices` says how many). Returns {} where the trace has no device kernels
+    (CPU)."""
     files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
     if not files:
         return {}
@@ -257,13 +262,20 @@ def attribute_trace(trace_dir: str, hlo_text: str, steps: int) -> dict:
     seconds = dict.fromkeys((*PARTS, "unattributed"), 0.0)
     n_kernels = 0
     names: dict[str, float] = {}
+    busy_pids = set()
     for ev in trace["traceEvents"]:
         if ev.get("ph") != "X" or ev.get("pid") not in device_pids:
             continue
+        busy_pids.add(ev["pid"])
         args = ev.get("args", {})
         op = args.get("hlo_op") or ev.get("name", "")
-        part = (_part_of(args["name"]) if "/" in args.get("name", "") else None  # the op's scope path itself
-                or scopes.get(op) or scopes.get(_kernel_name(op)) or scopes.get(_kernel_name(ev.get("name", ""))))
+        collective = _COLLECTIVE.match(op) or ev.get("name", "").lower().startswith("nccl")
+        if collective:
+            part = "collectives"
+        elif "/" in args.get("name", ""):  # the op's scope path itself
+            part = _part_of(args["name"])
+        else:
+            part = scopes.get(op) or scopes.get(_kernel_name(op)) or scopes.get(_kernel_name(ev.get("name", "")))
         dur = float(ev.get("dur", 0)) * 1e-6
         seconds[part or "unattributed"] += dur
         n_kernels += 1
@@ -271,9 +283,10 @@ def attribute_trace(trace_dir: str, hlo_text: str, steps: int) -> dict:
         names[key] = names.get(key, 0.0) + dur
     if not n_kernels:
         return {}
+    per = steps * len(busy_pids)
     top = sorted(names.items(), key=lambda kv: -kv[1])[:8]
-    return ({k: v / steps for k, v in seconds.items()} | {"kernels_per_step": n_kernels / steps}
-            | {"top_kernels": {k: v / steps for k, v in top}})
+    return ({k: v / per for k, v in seconds.items()} | {"kernels_per_step": n_kernels / per}
+            | {"top_kernels": {k: v / per for k, v in top}, "devices": len(busy_pids)})
 
 
 def _requests(cfg: ModelConfig, batch: int, prompt_len: int, gen_len: int, seed: int) -> list[Request]:
@@ -301,21 +314,33 @@ def _timed_run(engine: Engine, requests: list[Request]) -> tuple[float, float, i
     return t_first - t0, t_end - t_first, steps
 
 
-def peak_memory() -> int | None:
-    """Peak bytes in use on the default device since the process started, where the backend says."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+def peak_memory(devices: Sequence[jax.Device] | None = None) -> list[int | None]:
+    """Peak bytes in use on each of `devices` (default: the default device) since the process started,
+    where the backend says (None where it does not)."""
+    return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.devices()[:1])]
 
 
 def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, kv_dtype: str | None = None,
               chunk_size: int = 256, rates: DeviceRates | None = None, breakdown: bool = True,
-              seed: int = 0, trace_dir: str | None = None) -> dict:
+              seed: int = 0, trace_dir: str | None = None, mesh: jax.sharding.Mesh | None = None) -> dict:
     """Prefill `batch` random prompts of `prompt_len` tokens and generate `gen_len` tokens each, greedily
     and without stop tokens, through the scheduler; the same once before to compile. Raises
-    RuntimeError if the measured run compiled anything."""
+    RuntimeError if the measured run compiled anything. With `mesh` (the model's variables placed on it,
+    `parallel.shard_model` or `load_model(..., mesh=)`), the engine runs under it: `batch` sequences
+    over the whole mesh, peak memory per device, the per-part split per device; no roofline past one
+    device (it counts the whole model's bytes)."""
     if batch < 1 or prompt_len < 1 or gen_len < 2:
         raise ValueError(f"batch and prompt_len must be positive and gen_len at least 2, got {batch}, "
                          f"{prompt_len}, {gen_len}")
+    if mesh is not None:
+        with jax.set_mesh(mesh):
+            row = run_bench(model, batch, prompt_len, gen_len, kv_dtype=kv_dtype, chunk_size=chunk_size,
+                            rates=rates if mesh.size == 1 else None, breakdown=breakdown, seed=seed,
+                            trace_dir=trace_dir)
+        peaks = peak_memory(mesh.devices.flat)
+        known = [p for p in peaks if p is not None]
+        return row | {"mesh": dict(mesh.shape), "peak_memory_bytes": max(known) if known else None,
+                      "peak_memory_bytes_per_device": peaks}
     cfg = model.cfg
     engine = Engine(model, num_slots=batch, max_len=prompt_len + gen_len, chunk_size=chunk_size,
                     kv_dtype=kv_dtype)
@@ -332,7 +357,7 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, k
            "prefill_s": prefill_s, "prefill_tokens_per_s": batch * prompt_len / prefill_s,
            "decode_step_s": decode_s / steps, "decode_tokens_per_s_per_seq": steps / decode_s,
            "decode_tokens_per_s": batch * steps / decode_s, "decode_steps": steps,
-           "peak_memory_bytes": peak_memory(), "compilations_after_warmup": 0}
+           "peak_memory_bytes": peak_memory()[0], "compilations_after_warmup": 0}
     if rates is not None:
         roof = roofline(model, batch, prompt_len, gen_len, rates, kv_dtype)
         out |= {f"roofline_{k}": v for k, v in roof.items()}
@@ -382,7 +407,12 @@ def format_report(row: dict) -> str:
              f"  prefill  {row['prefill_tokens_per_s']:12,.0f} tokens/s   ({row['prefill_s'] * 1e3:.1f} ms)",
              f"  decode   {row['decode_tokens_per_s']:12,.1f} tokens/s   {row['decode_tokens_per_s_per_seq']:.1f} per "
              f"sequence, {row['decode_step_s'] * 1e3:.2f} ms per step",
-             f"  peak device memory {gib(row['peak_memory_bytes'])}"]
+             f"  peak device memory {gib(row['peak_memory_bytes'])}"
+             + (f" (the largest of {len(row['peak_memory_bytes_per_device'])} devices: "
+                f"{', '.join(gib(n) for n in row['peak_memory_bytes_per_device'])})"
+                if "peak_memory_bytes_per_device" in row else "")]
+    if "mesh" in row:
+        lines[0] += f" on mesh {','.join(f'{a}={n}' for a, n in row['mesh'].items())}"
     if "roofline_decode_step_s" in row:
         lines.append(f"  roofline decode {row['roofline_decode_step_s'] * 1e3:.3f} ms per step "
                      f"({row['roofline_decode_bound']} bound: {row['roofline_decode_step_bytes'] / 1e9:.2f} GB, "
@@ -395,7 +425,8 @@ def format_report(row: dict) -> str:
         lines.append("  decode step by part (device kernels): " + ", ".join(
             f"{k} {parts[k] * 1e3:.3f} ms" for k in (*PARTS, "unattributed") if parts.get(k))
             + f"; {parts['kernels_per_step']:.0f} kernels, busy {busy * 1e3:.2f} of "
-            f"{row['decode_step_s'] * 1e3:.2f} ms")
+            f"{row['decode_step_s'] * 1e3:.2f} ms" + (f" (mean of {parts['devices']} devices)"
+                                                   if parts.get("devices", 1) > 1 else ""))
         for name, sec in parts.get("top_kernels", {}).items():
             lines.append(f"    {sec * 1e3:8.3f} ms  {name}")
     elif parts is not None:
@@ -406,9 +437,9 @@ def format_report(row: dict) -> str:
 def bench(model: DeepseekV4, batches: Sequence[int], prompt_len: int, gen_len: int, *,
           kv_dtype: str | None = None, chunk_size: int = 256, breakdown: bool = True,
           rates: DeviceRates | None = None, seed: int = 0, trace_dir: str | None = None,
-          emit=print) -> list[dict]:
-    """`run_bench` for each batch size on one model; `emit` receives each row as it is made;
-    `trace_dir/batch<B>` keeps each breakdown's profiler trace."""
+          mesh: jax.sharding.Mesh | None = None, emit=print) -> list[dict]:
+    """`run_bench` for each batch size on one model (on `mesh`, if given); `emit` receives each row as it
+    is made; `trace_dir/batch<B>` keeps each breakdown's profiler trace."""
     cfg = model.cfg
     if prompt_len + gen_len > cfg.max_position_embeddings:
         raise ValueError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "
@@ -417,7 +448,7 @@ def bench(model: DeepseekV4, batches: Sequence[int], prompt_len: int, gen_len: i
     rows = []
     for b in batches:
         row = run_bench(model, b, prompt_len, gen_len, kv_dtype=kv_dtype, chunk_size=chunk_size, rates=rates,
-                        breakdown=breakdown, seed=seed,
+                        breakdown=breakdown, seed=seed, mesh=mesh,
                         trace_dir=os.path.join(trace_dir, f"batch{b}") if trace_dir else None)
         row |= {"layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
                 "copy_TBps": rates.copy_bytes_per_s / 1e12, "matmul_TFLOPs": rates.matmul_flops_per_s / 1e12}

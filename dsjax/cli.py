@@ -60,17 +60,27 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError(f"must be positive (and --gen-len at least 2): {', '.join(bad) or f'--gen-len {args.gen_len}'}")
     if (args.copy_tbps is None) != (args.matmul_tflops is None):
         raise ValueError("give both --copy-tbps and --matmul-tflops, or neither (then both are measured)")
+    mesh = None
+    if args.mesh:
+        from dsjax.parallel.mesh import make_mesh
+
+        mesh = make_mesh(args.mesh)
     if args.model:
         from dsjax.checkpoint.load import load_model
 
-        model = load_model(args.model, jnp.bfloat16, weights="keep" if args.weights == "fp8" else "bf16")
+        model = load_model(args.model, jnp.bfloat16, weights="keep" if args.weights == "fp8" else "bf16", mesh=mesh)
         name = args.model
     else:
         model = random_model(bench_config(args.preset, args.layers, args.weights), args.seed)
+        if mesh is not None:
+            from dsjax.parallel.shard import shard_model
+
+            model = shard_model(model, mesh)
         name = args.preset
     rates = (DeviceRates(args.copy_tbps * 1e12, args.matmul_tflops * 1e12) if args.copy_tbps
              else measure_rates())
-    print(f"{name}: {model.cfg.num_hidden_layers} layers, {args.weights} weights on {jax.devices()[0].device_kind} "
+    where = f"{mesh.size} × {mesh.devices.flat[0].device_kind}" if mesh is not None else jax.devices()[0].device_kind
+    print(f"{name}: {model.cfg.num_hidden_layers} layers, {args.weights} weights on {where} "
           f"(copy {rates.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {rates.matmul_flops_per_s / 1e12:.0f} "
           f"TFLOP/s)", flush=True)
 
@@ -83,7 +93,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     run = functools.partial(bench, model, args.batch, args.prompt_len, args.gen_len, kv_dtype=args.kv_dtype,
                             chunk_size=args.chunk_size, breakdown=not args.no_breakdown, rates=rates, seed=args.seed,
-                            trace_dir=args.trace_dir, emit=emit)
+                            trace_dir=args.trace_dir, mesh=mesh, emit=emit)
     if args.no_breakdown or jax.default_backend() == "cpu" or jax.config.jax_compilation_cache_dir:
         run()
         return 0
@@ -333,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--matmul-tflops", type=float, help="bf16 matmul rate in TFLOP/s (default: measured)")
     be.add_argument("--no-breakdown", action="store_true", help="skip the profiled per-part split")
     be.add_argument("--trace-dir", help="keep each breakdown's profiler trace here (batch<B>/, for Perfetto)")
+    be.add_argument("--mesh", help="run on a device mesh, e.g. 'ep=8' (axes dp, ep, tp; sizes multiply to the "
+                    "device count): --batch counts sequences over the whole mesh; --model loads each device's "
+                    "slice only (a converted checkpoint), a preset is built on one device and then placed")
     be.add_argument("--json", help="append one JSON row per batch size to this file")
     be.add_argument("--seed", type=int, default=0, help="weights and prompts")
     be.set_defaults(func=_bench)

@@ -121,6 +121,29 @@ def test_attribute_trace_maps_kernels_to_parts(tmp_path):
     assert B.attribute_trace(str(tmp_path / "none"), HLO, 1) == {}
 
 
+def test_attribute_trace_gives_collectives_their_own_part_and_averages_devices(tmp_path):
+    """Two GPUs in the trace (a mesh): each part is the mean over them; collectives (by instruction or as
+    NCCL kernels) are counted apart from the scope they run in."""
+    def ev(kernel, dur, pid, **args):
+        return {"ph": "X", "pid": pid, "name": kernel, "dur": dur, "args": args}
+
+    d = tmp_path / "plugins" / "profile" / "run1"
+    d.mkdir(parents=True)
+    meta = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+            for pid, name in ((1, "/device:GPU:0"), (3, "/device:GPU:1"), (2, "/host:CPU"))]
+    events = [ev("ragged_dot_kernel", 40, 1, hlo_op="custom-call.7"),   # moe on both devices
+              ev("ragged_dot_kernel", 20, 3, hlo_op="custom-call.7"),
+              ev("ncclDevKernel_AllToAll", 8, 1, hlo_op="all-to-all.2"),  # collectives, by instruction or name
+              ev("ncclDevKernel_SendRecv", 4, 3),
+              ev("all_gather_fusion", 2, 3, hlo_op="all-gather-start.1")]
+    with gzip.open(d / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    parts = B.attribute_trace(str(tmp_path), HLO, steps=1)
+    assert parts["devices"] == 2
+    assert parts["moe"] == pytest.approx(30e-6) and parts["collectives"] == pytest.approx(7e-6)
+    assert parts["kernels_per_step"] == 2.5
+
+
 def test_run_bench_refuses_recompilation(tiny, monkeypatch):
     """A measured run that compiled anything is an error (the runs themselves are stubbed here: the
     CLI test runs them for real)."""
@@ -152,6 +175,20 @@ def test_cli_runs_and_appends_rows(tmp_path, capsys):
     assert "roofline decode" in text and "no device kernels" in text
 
 
+def test_cli_runs_on_a_mesh(tmp_path, capsys):
+    """`--mesh` places the model on all 8 test devices and runs the engine under it: sequences over the
+    whole mesh, peak memory per device (None on CPU), no roofline past one device."""
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "--preset", "tiny", "--layers", "2", "--batch", "8", "--prompt-len", "12", "--gen-len", "3",
+                 "--chunk-size", "8", "--copy-tbps", "1", "--matmul-tflops", "100", "--mesh", "dp=2,ep=4",
+                 "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["mesh"] == {"dp": 2, "ep": 4, "tp": 1} and row["batch"] == 8 and row["decode_steps"] == 2
+    assert row["peak_memory_bytes_per_device"] == [None] * 8 and "roofline_decode_step_s" not in row
+    assert row["compilations_after_warmup"] == 0
+    assert "8 × cpu" in capsys.readouterr().out.lower()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "x", "--layers", "2", "--batch", "1", "--prompt-len", "4", "--gen-len", "2"], "--layers cuts a preset"),
     (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "1"], "--gen-len 1"),
@@ -160,6 +197,8 @@ def test_cli_runs_and_appends_rows(tmp_path, capsys):
      "give both --copy-tbps and --matmul-tflops"),
     (["--preset", "tiny", "--layers", "9", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--copy-tbps", "1",
       "--matmul-tflops", "1"], "between 1 and the preset's 4"),
+    (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--mesh", "ep=3"], "needs 3 devices"),
+    (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--mesh", "xp=8"], "expected comma"),
 ])
 def test_cli_refuses_bad_input(args, message, capsys):
     assert main(["bench", *args]) == 2
