@@ -410,7 +410,7 @@ def format_report(row: dict) -> str:
              f"  peak device memory {gib(row['peak_memory_bytes'])}"
              + (f" (the largest of {len(row['peak_memory_bytes_per_device'])} devices: "
                 f"{', '.join(gib(n) for n in row['peak_memory_bytes_per_device'])})"
-                if "peak_memory_bytes_per_device" in row else "")]
+                if any(n is not None for n in row.get("peak_memory_bytes_per_device", ())) else "")]
     if "mesh" in row:
         lines[0] += f" on mesh {','.join(f'{a}={n}' for a, n in row['mesh'].items())}"
     if "roofline_decode_step_s" in row:
@@ -444,14 +444,16 @@ def bench(model: DeepseekV4, batches: Sequence[int], prompt_len: int, gen_len: i
     if prompt_len + gen_len > cfg.max_position_embeddings:
         raise ValueError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "
                          f"{cfg.max_position_embeddings} positions")
-    rates = rates or measure_rates()
+    if rates is None and (mesh is None or mesh.size == 1):  # a mesh of several devices has no roofline
+        rates = measure_rates()
     rows = []
     for b in batches:
         row = run_bench(model, b, prompt_len, gen_len, kv_dtype=kv_dtype, chunk_size=chunk_size, rates=rates,
                         breakdown=breakdown, seed=seed, mesh=mesh,
                         trace_dir=os.path.join(trace_dir, f"batch{b}") if trace_dir else None)
-        row |= {"layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
-                "copy_TBps": rates.copy_bytes_per_s / 1e12, "matmul_TFLOPs": rates.matmul_flops_per_s / 1e12}
+        row |= {"layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind}
+        if rates is not None:
+            row |= {"copy_TBps": rates.copy_bytes_per_s / 1e12, "matmul_TFLOPs": rates.matmul_flops_per_s / 1e12}
         rows.append(row)
         emit(row)
     return rows

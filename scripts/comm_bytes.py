@@ -71,6 +71,20 @@ def ragged_rows(cfg, ep: int, tokens_per_device: int, seed: int = 0) -> tuple[fl
     return float(leaving.mean()), int(leaving.max())
 
 
+def layer_bytes(cfg, ep: int, tokens_per_device: int, dtype=None) -> dict[str, float]:
+    """Bytes one device sends per MoE layer in each design: "gathered" (from its lowered collectives),
+    "ragged_mean" and "ragged_max" (over devices, on random top-k routing)."""
+    import jax.numpy as jnp
+
+    act = 2  # bf16 activations
+    gathered = sum(collective_bytes(gathered_hlo(cfg, ep, tokens_per_device, dtype or jnp.bfloat16), ep).values())
+    mean_rows, max_rows = ragged_rows(cfg, ep, tokens_per_device)
+    per_row = cfg.hidden_size * act + 4  # dispatch: the row and its expert id
+    back = cfg.hidden_size * act  # combine: the expert's output row
+    return {"gathered": gathered, "ragged_mean": mean_rows * (per_row + back) + ep * 4,  # + the send counts
+            "ragged_max": max_rows * (per_row + back) + ep * 4}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="v4.1-flash")
@@ -87,19 +101,13 @@ def main(argv=None) -> int:
     cfg = ModelConfig.preset(args.preset)
     h, k = cfg.hidden_size, cfg.num_experts_per_tok
     moe_layers = cfg.num_hidden_layers  # every V4 layer has a routed MoE (hash or top-k)
-    act = 2  # bf16 activations
     print(f"{args.preset}: H={h}, k={k}, E={cfg.n_routed_experts}, ep={args.ep}, bf16 activations, "
           f"{moe_layers} MoE layers; bytes sent per device")
     print(f"{'tokens/dev':>10} | {'all-gather design / layer':>26} | {'ragged a2a / layer (mean, max)':>31} | "
           f"{'ratio':>5} | {'per decode step: gather':>23} | {'ragged (mean)':>13}")
     for n in args.tokens:
-        hlo = gathered_hlo(cfg, args.ep, n, jnp.bfloat16)
-        gathered = sum(collective_bytes(hlo, args.ep).values())
-        mean_rows, max_rows = ragged_rows(cfg, args.ep, n)
-        per_row = h * act + 4  # dispatch: the row and its expert id
-        back = h * act  # combine: the expert's output row
-        ragged_mean = mean_rows * (per_row + back) + args.ep * 4  # + the all-gathered send counts
-        ragged_max = max_rows * (per_row + back) + args.ep * 4
+        sent = layer_bytes(cfg, args.ep, n, jnp.bfloat16)
+        gathered, ragged_mean, ragged_max = sent["gathered"], sent["ragged_mean"], sent["ragged_max"]
         print(f"{n:>10} | {gathered:>26,} | {ragged_mean:>18,.0f} {ragged_max:>12,} | "
               f"{ragged_mean / gathered:>5.2f} | {gathered * moe_layers / 1e6:>20.2f} MB | "
               f"{ragged_mean * moe_layers / 1e6:>10.2f} MB")

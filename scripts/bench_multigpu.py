@@ -1,0 +1,175 @@
+"""Expert parallelism on several GPUs of one host, end to end (issue 11): a synthetic checkpoint in
+DeepSeek's release format, converted for `ep` devices, loaded one slice per device, decoding through
+the engine on the mesh, against `dsjax plan`'s memory prediction and the measured collective bandwidth.
+
+    python scripts/bench_multigpu.py WORKDIR [--ep N] [--preset v4.1-flash] [--layers 2] [--experts E]
+        [--per-device 64 128 256] [--prompt-len 4096] [--gen-len 16] [--json rows.jsonl]
+
+Steps, each kept in WORKDIR and skipped when its result is there (a run cut short resumes):
+1. `src/`: the synthetic checkpoint (`scripts/make_synthetic_checkpoint.py`; FP8 blocks, FP4 experts);
+2. `converted/`: `dsjax convert --mesh ep=N` (expert blocks aligned to the expert axis);
+3. for each sequence count: `dsjax plan`'s per-device bytes, then `dsjax bench --mesh ep=N` on the
+   converted checkpoint (decode throughput, peak memory of every device, the decode step by part with
+   the collectives apart, on GPUs);
+4. the collectives' bandwidth on this mesh, measured alone (an all-to-all and an all-gather of 256 MiB
+   per device), against the bytes the MoE's exchange moves per step (`scripts/comm_bytes.py`).
+
+The last lines are a table: per sequence count, tokens/s, ms per step, the collectives' ms per step and
+the bandwidth they reached, measured peak against planned bytes per device. Runs on CPU devices too
+(`XLA_FLAGS=--xla_force_host_platform_device_count=N`), without the per-part split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def collective_rates(mesh, bytes_per_device: int = 256 << 20) -> dict[str, float]:
+    """Bytes each device sends per second in an all-to-all and in an all-gather over all of `mesh`'s
+    devices (bf16 buffers of `bytes_per_device`; best of a few runs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dsjax.bench import _best_seconds
+
+    n = mesh.size
+    axes = tuple(mesh.axis_names)
+    rows = max(n, bytes_per_device // (2 * 1024) // n * n)  # rows of 1024 bf16, a multiple of n
+    x = jax.device_put(jnp.ones((n * rows, 1024), jnp.bfloat16), NamedSharding(mesh, P(axes)))
+    a2a = jax.jit(jax.shard_map(lambda b: jax.lax.all_to_all(b, axes, 0, 0, tiled=True), mesh=mesh,
+                                in_specs=P(axes), out_specs=P(axes)))
+    gather = jax.jit(jax.shard_map(lambda b: jax.lax.all_gather(b[: rows // n], axes, tiled=True), mesh=mesh,
+                                   in_specs=P(axes), out_specs=P(axes)))
+    piece = rows * 1024 * 2
+    return {"all_to_all": piece * (n - 1) / n / _best_seconds(a2a, x),  # keeps 1/n of its buffer
+            "all_gather": piece / n * (n - 1) / _best_seconds(gather, x)}  # sends its 1/n piece to n − 1
+
+
+def exchange_bytes(cfg, ep: int, tokens_per_device: int) -> dict[str, float]:
+    """Bytes one device sends per decode step in the MoE's exchange, both designs (every layer has a
+    routed MoE): `comm_bytes.layer_bytes` times the layers."""
+    sys.path.insert(0, _HERE)
+    from comm_bytes import layer_bytes
+
+    return {k: v * cfg.num_hidden_layers for k, v in layer_bytes(cfg, ep, tokens_per_device).items()}
+
+
+def _step(name: str, done: bool, fn):
+    t = time.perf_counter()
+    if done:
+        print(f"[{name}] already there, skipped", flush=True)
+        return
+    fn()
+    print(f"[{name}] {time.perf_counter() - t:.1f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workdir", help="folder for the checkpoints and results (created; reused when re-run)")
+    ap.add_argument("--ep", type=int, help="devices on the expert axis (default: every device)")
+    ap.add_argument("--preset", default="v4.1-flash")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the slice (default 2)")
+    ap.add_argument("--experts", type=int, help="routed experts (default: the preset's)")
+    ap.add_argument("--per-device", type=int, nargs="+", default=[64, 128, 256], help="sequences per device")
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--gen-len", type=int, default=16)
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"])
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled per-part split")
+    ap.add_argument("--collective-mib", type=float, default=256,
+                    help="buffer per device for timing the collectives alone (default 256 MiB)")
+    ap.add_argument("--json", help="append one JSON row per sequence count (default WORKDIR/rows.jsonl)")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from dsjax.bench import bench, format_report
+    from dsjax.checkpoint.convert import convert
+    from dsjax.checkpoint.load import load_model
+    from dsjax.config import ModelConfig
+    from dsjax.parallel.mesh import make_mesh
+    from dsjax.plan import fmt_bytes, plan
+
+    sys.path.insert(0, _HERE)
+    from make_synthetic_checkpoint import main as make_synthetic
+
+    try:
+        ep = args.ep or jax.device_count()
+        if ep != jax.device_count():
+            raise ValueError(f"--ep {ep}: the mesh takes every device, and there are {jax.device_count()}")
+        bad = [f"--{k} {v}" for k, v in (("prompt-len", args.prompt_len), ("chunk-size", args.chunk_size),
+                                           *(("per-device", n) for n in args.per_device)) if v < 1]
+        if bad or args.gen_len < 2:
+            raise ValueError(f"must be positive (and --gen-len at least 2): {', '.join(bad) or args.gen_len}")
+        mesh = make_mesh(f"ep={ep}")
+    except ValueError as e:
+        print(f"bench_multigpu: error: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.workdir, exist_ok=True)
+    src, dst = os.path.join(args.workdir, "src"), os.path.join(args.workdir, "converted")
+    out = args.json or os.path.join(args.workdir, "rows.jsonl")
+    synth = ["--preset", args.preset, "--layers", str(args.layers)] + (
+        ["--experts", str(args.experts)] if args.experts else [])
+
+    def make():
+        import shutil
+
+        for stale in (src, src + ".partial"):  # an interrupted earlier write: start it again
+            if os.path.exists(stale):
+                shutil.rmtree(stale)
+        if make_synthetic([src + ".partial", *synth]) != 0:
+            raise SystemExit(2)
+        os.rename(src + ".partial", src)
+
+    _step("synthetic checkpoint", os.path.exists(os.path.join(src, "config.json")), make)
+    _step(f"convert for ep={ep}", os.path.exists(dst), lambda: convert(src, dst, ep=ep, progress=False))
+    cfg = ModelConfig.from_hf(dst)
+    model = load_model(dst, jnp.bfloat16, weights="keep", mesh=mesh)
+    max_len = args.prompt_len + args.gen_len
+    rates = collective_rates(mesh, int(args.collective_mib * 2**20))
+    print(f"{args.preset}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts on {ep} × "
+          f"{jax.devices()[0].device_kind}: all-to-all {rates['all_to_all'] / 1e9:.1f} GB/s, all-gather "
+          f"{rates['all_gather'] / 1e9:.1f} GB/s sent per device", flush=True)
+    rows = []
+    for per in args.per_device:
+        predicted = plan(cfg, f"ep={ep}", max_len, per * ep, weights="fp8", kv_dtype=args.kv_dtype or "bfloat16",
+                         chunk_size=args.chunk_size)
+        (row,) = bench(model, [per * ep], args.prompt_len, args.gen_len, kv_dtype=args.kv_dtype,
+                       chunk_size=args.chunk_size, breakdown=not args.no_breakdown, mesh=mesh, emit=lambda r: None)
+        sent = exchange_bytes(cfg, ep, per)
+        parts = row.get("decode_parts_s") or {}
+        row |= {"model": f"{args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts)",
+                "per_device": per, "planned_bytes_per_device": predicted.total, "planned_weights": predicted.weights,
+                "planned_cache": predicted.cache, "planned_temp": predicted.temp,
+                "exchange_bytes_per_step": sent, "collective_rates": rates}
+        if parts.get("collectives"):
+            row["collectives_GBps"] = {k: v / parts["collectives"] / 1e9 for k, v in sent.items()}
+        print(format_report(row), flush=True)
+        print(f"  planned {fmt_bytes(predicted.total)} per device (weights {fmt_bytes(predicted.weights)}, cache "
+              f"{fmt_bytes(predicted.cache)}, temporaries {fmt_bytes(predicted.temp)})", flush=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows.append(row)
+
+    print("\nper device | tok/s | ms/step | collectives ms/step | exchange GB/s (gathered / ragged) | peak / planned")
+    for r in rows:
+        coll = (r.get("decode_parts_s") or {}).get("collectives")
+        rate = r.get("collectives_GBps")
+        peak = r["peak_memory_bytes"]
+        print(f"{r['per_device']:>10} | {r['decode_tokens_per_s']:,.0f} | {r['decode_step_s'] * 1e3:.2f} | "
+              f"{'n/a' if coll is None else f'{coll * 1e3:.2f}'} | "
+              f"{'n/a' if not rate else f'{rate['gathered']:.1f} / {rate['ragged_mean']:.1f}'} | "
+              f"{'n/a' if peak is None else fmt_bytes(peak)} / {fmt_bytes(r['planned_bytes_per_device'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

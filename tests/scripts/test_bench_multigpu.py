@@ -1,0 +1,46 @@
+"""`scripts/bench_multigpu.py` end to end on the 8 test CPU devices: a tiny synthetic checkpoint,
+converted for ep=8, loaded one slice per device, decoded through the engine on the mesh, with
+`dsjax plan`'s prediction beside it; a second run resumes from the checkpoints it finds."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_multigpu.py"
+spec = importlib.util.spec_from_file_location("bench_multigpu", SCRIPT)
+multigpu = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(multigpu)
+
+ARGS = ["--preset", "tiny", "--layers", "2", "--prompt-len", "12", "--gen-len", "3", "--chunk-size", "8",
+        "--collective-mib", "0.25"]
+
+
+@pytest.mark.heavy
+def test_runs_and_resumes(tmp_path, capsys):
+    work = tmp_path / "run"
+    assert multigpu.main([str(work), "--per-device", "1", *ARGS]) == 0
+    first = capsys.readouterr().out
+    assert "[synthetic checkpoint]" in first and "already there" not in first
+    assert multigpu.main([str(work), "--per-device", "2", *ARGS]) == 0
+    second = capsys.readouterr().out
+    assert second.count("already there, skipped") == 2  # the checkpoint and its conversion
+    rows = [json.loads(line) for line in (work / "rows.jsonl").read_text().splitlines()]
+    assert [r["per_device"] for r in rows] == [1, 2] and [r["batch"] for r in rows] == [8, 16]
+    for r in rows:
+        assert r["mesh"] == {"dp": 1, "ep": 8, "tp": 1} and r["weights"] == "fp8"
+        assert r["compilations_after_warmup"] == 0 and r["decode_tokens_per_s"] > 0
+        assert r["planned_bytes_per_device"] >= r["planned_weights"] + r["planned_cache"] > 0
+        assert set(r["exchange_bytes_per_step"]) == {"gathered", "ragged_mean", "ragged_max"}
+        assert r["collective_rates"]["all_to_all"] > 0 and r["collective_rates"]["all_gather"] > 0
+    assert rows[1]["planned_cache"] == pytest.approx(2 * rows[0]["planned_cache"], rel=0.1)
+    assert "per device | tok/s" in second
+
+
+def test_refuses_a_mesh_that_is_not_every_device(tmp_path, capsys):
+    assert multigpu.main([str(tmp_path / "x"), "--ep", "3", *ARGS]) == 2
+    assert f"there are {jax.device_count()}" in capsys.readouterr().err
+    assert multigpu.main([str(tmp_path / "x"), "--gen-len", "1", "--preset", "tiny"]) == 2
+    assert not (tmp_path / "x").exists()  # nothing written for bad input
