@@ -33,11 +33,13 @@ def dispatch(reference: Callable[[], jax.Array], *, kernels: str,
     tiles the shapes runs). "auto" lowers the CUDA kernel for cuda, the TPU kernel for tpu and the reference
     for every other backend (CPU, ROCm, other plugins), and the reference wherever a kernel cannot
     tile the shapes or a mesh of several devices is in use; "reference" always uses the reference;
-    "interpret" runs the GPU kernel interpreted on any backend."""
+    "interpret" runs the GPU kernel interpreted on any backend. Under a mesh of several devices the kernels
+    run only inside a shard_map over all of its axes."""
     mesh = jax.sharding.get_abstract_mesh()
-    if kernels == "reference" or (not mesh.empty and mesh.size > 1):
-        # Under a mesh of several devices XLA partitions the reference; a Pallas call would need a
-        # shard_map over the slots (not done yet: Mosaic calls cannot be partitioned automatically).
+    # Inside a shard_map over every axis (the expert-parallel MoE) each device runs its own program, so a
+    # kernel call is per device. Elsewhere under a mesh of several devices XLA partitions the reference;
+    # a Pallas call would need a shard_map of its own (Pallas calls are not partitioned automatically).
+    if kernels == "reference" or (not mesh.empty and mesh.size > 1 and not mesh.are_all_axes_manual):
         return reference()
     gpus = (gpu,) if callable(gpu) else tuple(gpu)
     if kernels == "interpret":

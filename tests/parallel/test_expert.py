@@ -232,3 +232,26 @@ def test_decode_fed_the_step_in_flights_tokens_does_not_compile_again(model):
         warm = Engine.compilations()
         events = list(run(engine, requests(6)))
     assert Engine.compilations() == warm and len(events) == 8 * 6
+
+
+def test_the_expert_kernel_runs_inside_the_expert_parallel_shard_map():
+    """Inside the shard_map each device's FP4 experts go through the GPU kernel (lowered for cuda: the
+    Triton call is there), and, interpreted on the CPU devices, split over ep=4 they give what the
+    kernel gives on one device."""
+    from dsjax.parallel.expert import routed_experts_parallel
+
+    cfg = ModelConfig.preset("tiny").replace(hidden_size=256, moe_intermediate_size=128, kernels="interpret")
+    quantized = quantize_model(dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(2), dtype=jnp.float32))
+    experts = quantized.layer(1).mlp.experts
+    x, w, idx = routing(cfg, 16, seed=4)
+    x = x.astype(jnp.bfloat16)  # the kernel's activations
+    mesh = make_mesh("dp=2,ep=4")
+    graphdef, state = nnx.split(shard_model(quantized, mesh).layer(1).mlp.experts)
+    f = jax.jit(lambda s, x, w, idx: routed_experts_parallel(nnx.merge(graphdef, s), x, w, idx, mesh))
+    with jax.set_mesh(mesh):
+        text = jax.export.export(f, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(t) for t in ("ragged_all_to_all", "__gpu$xla.gpu.triton")])(
+            state, x, w, idx).mlir_module()
+        got = f(state, x, w, idx)
+    assert "dsjax_expert_matmul" in text
+    assert_close(np.asarray(got, np.float32), np.asarray(experts(x, w, idx), np.float32), rtol=2e-2)
