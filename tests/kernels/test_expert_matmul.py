@@ -42,15 +42,21 @@ def test_kernel_matches_reference(storage, sizes, extra, k, n):
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
 
 
+def spread_fp4_scales(n: int, k: int, groups: tuple[int, int, int]):
+    """One expert of FP4 codes all 0.5 (`[1, n, k/2]`), scales 2^0 but for three groups: 2^10, 2^-14 and
+    2^-20; one row routed to it."""
+    codes = jnp.full((1, n, k // 2), 0x11, jnp.uint8)
+    exponents = np.full((1, n, k // 32), 127, np.uint8)
+    for g, exponent in zip(groups, (127 + 10, 127 + 10 - 24, 127 + 10 - 30)):
+        exponents[..., g] = exponent
+    return codes, jnp.asarray(exponents), jnp.asarray([1], jnp.int32)
+
+
 def test_fp4_scales_relative_to_the_steps_largest_are_exact_down_to_2_pow_minus_24():
     """FP4 codes are scaled in fp16 relative to the largest scale of their 256-input step: a group 2^24
     below it is still exact; one 2^30 below rounds to zero (an error under 2^-25 of the largest)."""
-    e, n, k = 1, 128, 256
-    codes = jnp.full((e, n, k // 2), 0x11, jnp.uint8)  # every code 0.5
-    exponents = np.full((e, n, k // 32), 127, np.uint8)
-    exponents[..., 0], exponents[..., 1], exponents[..., 2] = 127 + 10, 127 + 10 - 24, 127 + 10 - 30
-    scale = jnp.asarray(exponents)
-    sizes = jnp.asarray([1], jnp.int32)
+    n, k = 128, 256
+    codes, scale, sizes = spread_fp4_scales(n, k, (0, 1, 2))
     for column, want in ((0, 0.5 * 2.0 ** 10), (32, 0.5 * 2.0 ** -14), (64, 0.0)):
         x = jnp.zeros((1, k), jnp.bfloat16).at[0, column].set(1)
         got = expert_matmul_gpu(x, codes, scale, sizes, "fp4", interpret=True)

@@ -13,7 +13,7 @@ from dsjax.kernels.expert_matmul.mosaic import expert_matmul_mosaic, input_order
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
 from dsjax.stacked import StackedSlice
-from tests.kernels.test_expert_matmul import experts
+from tests.kernels.test_expert_matmul import experts, spread_fp4_scales
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -56,12 +56,8 @@ def test_scales_relative_to_the_rows_largest_are_exact_down_to_2_pow_minus_24():
     """Codes are scaled in fp16 relative to the largest scale of their whole row (not of their step,
     as in the Triton kernel): a group 2^24 below it, in another step, is still exact; one 2^30 below
     rounds to zero (an error under 2^-25 of the largest)."""
-    e, n, k = 1, 64, 1024
-    codes = jnp.full((e, n, k // 2), 0x11, jnp.uint8)  # every code 0.5
-    exponents = np.full((e, n, k // 32), 127, np.uint8)
-    exponents[..., 0], exponents[..., 16], exponents[..., 31] = 127 + 10, 127 + 10 - 24, 127 + 10 - 30
-    scale = jnp.asarray(exponents)
-    sizes = jnp.asarray([1], jnp.int32)
+    n, k = 64, 1024
+    codes, scale, sizes = spread_fp4_scales(n, k, (0, 16, 31))
     for column, want in ((0, 0.5 * 2.0 ** 10), (512, 0.5 * 2.0 ** -14), (1000, 0.0), (40, 0.5)):
         x = jnp.zeros((1, k), jnp.bfloat16).at[0, column].set(1)
         got = expert_matmul_mosaic(x, codes, scale, sizes, interpret=True)
