@@ -62,6 +62,23 @@ def group_tiles(group_sizes_e: jax.Array, n_rows: int, block_m: int) -> tuple[ja
     return g_c, offsets[g_c] + j * block_m, rows
 
 
+def fold_layer(w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array, layer: jax.Array | None,
+               kernel: str) -> tuple[jax.Array, jax.Array, jax.Array | int]:
+    """Experts and scales as the kernels index them, and the first expert of `layer`: with a layer, entry
+    `layer` of L stacks of E experts is experts `layer·E …` of the stack folded to `[L·E, …]` (a free
+    view); without one, as they are (first expert 0). Raises ValueError, naming `kernel`, for stacks
+    that do not match."""
+    if layer is None:
+        return w_enk, scale, 0
+    if w_enk.ndim != 4 or scale.shape[:2] != w_enk.shape[:2]:
+        raise ValueError(f"{kernel}: a layer of stacked experts needs [L, E, …] experts and scales, "
+                         f"got {w_enk.shape} and {scale.shape}")
+    if group_sizes_e.shape[0] != w_enk.shape[1]:
+        raise ValueError(f"{kernel}: {group_sizes_e.shape[0]} group sizes for {w_enk.shape[1]} experts")
+    first_expert = jnp.asarray(layer, jnp.int32) * w_enk.shape[1]
+    return w_enk.reshape(-1, *w_enk.shape[2:]), scale.reshape(-1, *scale.shape[2:]), first_expert
+
+
 def addressable(codes: jax.Array) -> bool:
     """Whether the kernel can address every element of `codes` as it reads them. Pallas's Triton
     lowering computes element offsets in int32 unless the array spans more than 2^32 bytes, where it
@@ -167,15 +184,7 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
     on the H200), else 64. Raises ValueError for what it does not take: non-bf16 activations, float
     scales, widths that do not tile, experts it cannot address."""
     p, k = x_pk.shape
-    first_expert = 0
-    if layer is not None:  # entry `layer` of L stacks of E experts: experts layer·E … of L·E
-        if w_enk.ndim != 4 or scale.shape[:2] != w_enk.shape[:2]:
-            raise ValueError(f"expert_matmul_gpu: a layer of stacked experts needs [L, E, …] experts and scales, "
-                             f"got {w_enk.shape} and {scale.shape}")
-        first_expert = jnp.asarray(layer, jnp.int32) * w_enk.shape[1]
-        if group_sizes_e.shape[0] != w_enk.shape[1]:
-            raise ValueError(f"expert_matmul_gpu: {group_sizes_e.shape[0]} group sizes for {w_enk.shape[1]} experts")
-        w_enk, scale = w_enk.reshape(-1, *w_enk.shape[2:]), scale.reshape(-1, *scale.shape[2:])
+    w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_gpu")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     # FP4: 128 columns per program measured best from 48 rows on; at 6 rows (one token), 64 (more programs):
     # 0.25 against 0.31 ms on V4-Flash's gate_up.

@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import vector
 
-from dsjax.kernels.expert_matmul.gpu import group_tiles
+from dsjax.kernels.expert_matmul.gpu import fold_layer, group_tiles
 from dsjax.kernels.fp16 import fp16_rows, pow2
 from dsjax.quant import FP4_GROUP
 
@@ -183,16 +183,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     the kernel reads entry `layer` where it lies. Raises ValueError for what it does not take:
     non-bf16 activations, float scales, widths that do not tile (K a multiple of 1024, N of 64)."""
     p, k = x_pk.shape
-    first_expert = 0
-    if layer is not None:
-        if w_enk.ndim != 4 or scale.shape[:2] != w_enk.shape[:2]:
-            raise ValueError(f"expert_matmul_mosaic: a layer of stacked experts needs [L, E, …] experts and scales, "
-                             f"got {w_enk.shape} and {scale.shape}")
-        if group_sizes_e.shape[0] != w_enk.shape[1]:
-            raise ValueError(f"expert_matmul_mosaic: {group_sizes_e.shape[0]} group sizes for {w_enk.shape[1]} "
-                             "experts")
-        first_expert = jnp.asarray(layer, jnp.int32) * w_enk.shape[1]
-        w_enk, scale = w_enk.reshape(-1, *w_enk.shape[2:]), scale.reshape(-1, *scale.shape[2:])
+    w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_mosaic")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:
         raise ValueError(f"expert_matmul_mosaic: activations must be bf16, got {x_pk.dtype}")
