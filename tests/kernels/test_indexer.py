@@ -57,3 +57,21 @@ def test_fp8_keys_take_queries_beyond_fp16s_range(magnitude):
     live = ~np.isneginf(want)
     assert np.isfinite(got[live]).all()
     assert_close(got[live], want[live], rtol=1e-5)
+
+
+def test_under_a_mesh_the_op_runs_on_each_devices_slots():
+    """Under a mesh of 8 devices the op runs in a shard_map over the slot axes, so the kernel can run:
+    lowered for cuda it is there; interpreted on the CPU devices, the reference's scores."""
+    from dsjax.kernels.indexer.op import index_scores
+    from dsjax.parallel.mesh import make_mesh
+    from tests.helpers import mesh_cuda_module
+
+    q, w, keys, n, scale = inputs(5, kv_dtype="bfloat16", b=8)
+    text = mesh_cuda_module(lambda *a: index_scores(*a, scale), q, w, keys, n)
+    assert "__gpu$xla.gpu.triton" in text
+    with jax.set_mesh(make_mesh("dp=2,ep=4")):
+        got = jax.jit(lambda *a: index_scores(*a, scale, kernels="interpret"))(q, w, keys, n)
+    want = index_scores_reference(q, w, keys, n, scale)
+    finite = np.isfinite(np.asarray(want))
+    assert np.array_equal(finite, np.isfinite(np.asarray(got)))
+    assert_close(np.asarray(got)[finite], np.asarray(want)[finite], rtol=2e-2)

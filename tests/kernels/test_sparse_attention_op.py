@@ -11,6 +11,7 @@ from dsjax.kernels.dispatch import dispatch
 from dsjax.kernels.sparse_attention.op import mosaic_splits, sparse_decode
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
 from dsjax.quant import pack_kv
+from tests.helpers import mesh_cuda_module
 from tests.kernels.test_mosaic_attention import inputs
 
 
@@ -58,3 +59,22 @@ def test_mosaic_splits_cover_the_chip():
     assert mosaic_splits(64, 640) == 2
     assert mosaic_splits(1, 640) == 10
     assert mosaic_splits(256, 640) == 1
+
+
+def test_under_a_mesh_the_op_runs_on_each_devices_slots():
+    """Under a mesh of 8 devices the op runs in a shard_map over the slot axes, so that a kernel can run:
+    lowered for cuda the Mosaic kernel is there; interpreted on the CPU devices (the Triton kernel, for
+    fp32 queries: Mosaic GPU's interpreter does not run under a shard_map of several devices), the
+    reference's result."""
+    from dsjax.parallel.mesh import make_mesh
+
+    args, kw = inputs(2, 8, 48, 300, 100)  # 8 slots: one per device
+    text = mesh_cuda_module(lambda q, w, n, e, s: sparse_decode(q, w, n, e, s, 512 ** -0.5, **kw), *args[:5])
+    assert "dsjax_sparse_decode_mosaic" in text
+    q32 = args[0].astype(jnp.float32)
+    with jax.set_mesh(make_mesh("dp=2,ep=4")):
+        got = jax.jit(lambda q, w, n, e, s: sparse_decode(q, w, n, e, s, 512 ** -0.5, **kw, kernels="interpret"))(
+            q32, *args[1:5])
+    want = sparse_decode_reference(q32, *args[1:], **kw)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err < 1e-5, err

@@ -7,7 +7,7 @@ import functools
 
 import jax
 
-from dsjax.kernels.dispatch import dispatch
+from dsjax.kernels.dispatch import dispatch, over_slots
 from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu, sparse_prefill_gpu
 from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic, sparse_decode_mosaic_packed
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
@@ -45,7 +45,14 @@ def keys_per_query(window, entries, picks: jax.Array | None) -> int:
 def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, sinks_h: jax.Array, scale: float, *,
                   entries_len_b: jax.Array | None = None, idx_bk: jax.Array | None = None,
                   kernels: str = "auto") -> jax.Array:
-    """`reference.sparse_decode_reference`'s result, by the kernel `kernels` selects for the platform."""
+    """`reference.sparse_decode_reference`'s result, by the kernel `kernels` selects for the platform
+    (under a mesh, on each device's slots: `dispatch.over_slots`)."""
+    return over_slots(functools.partial(_sparse_decode, scale=scale, kernels=kernels),
+                      dict(q_bhd=q_bhd, window=window, window_len_b=window_len_b, entries=entries,
+                           entries_len_b=entries_len_b, idx_bk=idx_bk), dict(sinks_h=sinks_h))
+
+
+def _sparse_decode(q_bhd, window, window_len_b, entries, sinks_h, scale, *, entries_len_b, idx_bk, kernels):
     args = (q_bhd, window, window_len_b, entries, sinks_h, scale)
     kw = dict(entries_len_b=entries_len_b, idx_bk=idx_bk)
     b, h, _ = q_bhd.shape
@@ -65,7 +72,15 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
 def sparse_prefill(q_bchd: jax.Array, window, window_start_bc: jax.Array, window_end_bc: jax.Array, entries,
                    sinks_h: jax.Array, scale: float, *, entries_len_bc: jax.Array | None = None,
                    idx_bck: jax.Array | None = None, kernels: str = "auto") -> jax.Array:
-    """`reference.sparse_prefill_reference`'s result, by the kernel `kernels` selects for the platform."""
+    """`reference.sparse_prefill_reference`'s result, by the kernel `kernels` selects for the platform
+    (under a mesh, on each device's slots: `dispatch.over_slots`)."""
+    return over_slots(functools.partial(_sparse_prefill, scale=scale, kernels=kernels),
+                      dict(q_bchd=q_bchd, window=window, window_start_bc=window_start_bc, window_end_bc=window_end_bc,
+                           entries=entries, entries_len_bc=entries_len_bc, idx_bck=idx_bck), dict(sinks_h=sinks_h))
+
+
+def _sparse_prefill(q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale, *, entries_len_bc,
+                    idx_bck, kernels):
     args = (q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale)
     kw = dict(entries_len_bc=entries_len_bc, idx_bck=idx_bck)
     b, c, h, _ = q_bchd.shape
