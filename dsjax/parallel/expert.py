@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsjax.layers.experts import RoutedExperts, grouped_mlp, matmul_experts
 from dsjax.parallel.rules import declared_axes, mesh_axes, spec_of
-from dsjax.stacked import as_array
+from dsjax.stacked import StackedSlice, as_array
 
 _LEAVES = ("gate_up_proj", "down_proj")
 
@@ -129,9 +129,19 @@ def routed_experts_parallel(experts: RoutedExperts, x_nh: jax.Array, weights_nk:
     names = _LEAVES + ((tuple(f"{leaf}_scale_inv" for leaf in _LEAVES)) if experts.storage is not None else ())
     for name in names:
         var = getattr(experts, name)
-        arrays.append(as_array(var[...]))  # a layer group's scan may hand over a StackedSlice
+        arrays.append(var[...])
         specs.append(spec_of(mesh, declared_axes(var), var.shape))
     tp = _ffn_axis(mesh, specs, experts)
+    # A layer group's scan hands quantized experts over as StackedSlices of the whole stack. The stack
+    # enters the shard_map as it is (each device's experts of every layer) with the layer index beside it,
+    # so that the expert kernel reads the layer in place; cutting it out here copied it every step.
+    in_place = all(isinstance(a, StackedSlice) for a in arrays) and len({id(a.index) for a in arrays}) == 1
+    if in_place:
+        index = arrays[0].index
+        specs = [P(None, *s) for s in specs]
+        arrays = [a.stack for a in arrays]
+    else:
+        arrays = [as_array(a) for a in arrays]
     local = _Local(experts, ep, mesh.shape[ep], tp, e_local)
 
     if design is None and cfg.num_experts_per_tok >= mesh.shape[ep]:
@@ -139,8 +149,12 @@ def routed_experts_parallel(experts: RoutedExperts, x_nh: jax.Array, weights_nk:
     if design not in (None, "gathered", "ragged"):
         raise ValueError(f"design must be 'gathered' or 'ragged', got {design!r}")
 
-    def run(x, w, idx, gate_up, down, *scales):
-        args = (local, x, w, idx, gate_up, down, scales)
+    def run(x, w, idx, *weights):
+        if in_place:
+            layer = weights[0]
+            weights = tuple(StackedSlice(a, layer) for a in weights[1:])
+        gate_up, down, *scales = weights
+        args = (local, x, w, idx, gate_up, down, tuple(scales))
         if design == "gathered":
             return gathered_dispatch(*args)
         if design == "ragged":
@@ -151,8 +165,9 @@ def routed_experts_parallel(experts: RoutedExperts, x_nh: jax.Array, weights_nk:
     token_spec = P(tokens)
     # check_vma off: the expert kernels' Pallas calls declare no varying axes for their outputs, and the
     # check would refuse them (they then ran the reference, which dequantizes every local expert).
-    y = jax.shard_map(run, mesh=mesh, in_specs=(token_spec,) * 3 + tuple(specs), out_specs=token_spec,
-                      check_vma=False)(x_nh, weights_nk, idx_nk, *arrays)
+    extra, extra_specs = ((index,), (P(),)) if in_place else ((), ())
+    y = jax.shard_map(run, mesh=mesh, in_specs=(token_spec,) * 3 + extra_specs + tuple(specs), out_specs=token_spec,
+                      check_vma=False)(x_nh, weights_nk, idx_nk, *extra, *arrays)
     return y[:n]
 
 

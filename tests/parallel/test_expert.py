@@ -255,3 +255,27 @@ def test_the_expert_kernel_runs_inside_the_expert_parallel_shard_map():
         got = f(state, x, w, idx)
     assert "dsjax_expert_matmul" in text
     assert_close(np.asarray(got, np.float32), np.asarray(experts(x, w, idx), np.float32), rtol=2e-2)
+
+
+def test_stacked_experts_enter_the_shard_map_uncut():
+    """A layer group's scan hands its FP4 experts to the expert-parallel MoE as slices of the whole stack:
+    lowered for cuda on dp=2, ep=4, the kernel reads each device's part of the stack in place (no op
+    cuts a layer's experts out); interpreted on the CPU devices, the logits are one device's."""
+    from tests.test_model import _quantized_group_cfg
+
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 512, (8, 6)), jnp.int32)
+    one = dsjax.DeepseekV4(_quantized_group_cfg("interpret"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    want = np.asarray(forward(one, ids), np.float32)
+    mesh = make_mesh("dp=2,ep=4")
+    graphdef, state = nnx.split(shard_model(one, mesh))
+    f = jax.jit(lambda s, x: nnx.merge(graphdef, s).forward(x))
+    with jax.set_mesh(mesh):
+        text = jax.export.export(f, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(t) for t in ("ragged_all_to_all", "__gpu$xla.gpu.triton")])(
+            state, ids).mlir_module()
+        got = np.asarray(f(state, ids), np.float32)
+    assert "dsjax_expert_matmul" in text
+    # one layer's local experts, 2 of the 8: gate_up [2, 256, 64] and down [2, 128, 64] int8 (or int32 words)
+    for shape in ("2x256x64xi8", "2x128x64xi8", "2x256x16xi32", "2x128x16xi32"):
+        assert f"tensor<{shape}>" not in text and f"tensor<1x{shape}>" not in text, shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
