@@ -5,7 +5,8 @@ the engine on the mesh, against `dsjax plan`'s memory prediction and the measure
     python scripts/bench_multigpu.py WORKDIR [--ep N] [--preset v4.1-flash] [--layers 2] [--experts E]
         [--per-device 64 128 256] [--prompt-len 4096] [--gen-len 16] [--json rows.jsonl]
 
-Steps, each kept in WORKDIR and skipped when its result is there (a run cut short resumes):
+Steps, each kept in WORKDIR and skipped when its result is there (a run cut short resumes, also row
+by row: a sequence count already measured with the same settings is not measured again):
 1. `src/`: the synthetic checkpoint (`scripts/make_synthetic_checkpoint.py`; FP8 blocks, FP4 experts);
 2. `converted/`: `dsjax convert --mesh ep=N` (expert blocks aligned to the expert axis);
 3. for each sequence count: `dsjax plan`'s per-device bytes, then `dsjax bench --mesh ep=N` on the
@@ -59,6 +60,34 @@ def exchange_bytes(cfg, ep: int, tokens_per_device: int) -> dict[str, float]:
     from comm_bytes import layer_bytes
 
     return {k: v * cfg.num_hidden_layers for k, v in layer_bytes(cfg, ep, tokens_per_device).items()}
+
+
+def _done_rows(path: str, *, ep: int, **same) -> dict[int, dict]:
+    """Rows already measured in `path` for this run (same model, lengths, cache dtype and mesh), by
+    sequences per device; the last of repeated ones. A torn last line (a run killed mid-write) is ignored."""
+    rows: dict[int, dict] = {}
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if all(r.get(k) == v for k, v in same.items()) and (r.get("mesh") or {}).get("ep") == ep:
+                rows[r["per_device"]] = r
+    return rows
+
+
+def _append_row(path: str, row: dict) -> None:
+    """Append `row` as one JSON line, on a line of its own after a torn last line."""
+    torn = False
+    if os.path.exists(path) and os.path.getsize(path):
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+    with open(path, "a") as f:
+        f.write(("\n" if torn else "") + json.dumps(row) + "\n")
 
 
 def _step(name: str, done: bool, fn):
@@ -138,16 +167,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.preset}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts on {ep} × "
           f"{jax.devices()[0].device_kind}: all-to-all {rates['all_to_all'] / 1e9:.1f} GB/s, all-gather "
           f"{rates['all_gather'] / 1e9:.1f} GB/s sent per device", flush=True)
+    model_name = f"{args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts)"
+    done = _done_rows(out, model=model_name, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                      kv_dtype=args.kv_dtype or "bfloat16", chunk_size=args.chunk_size, ep=ep)
     rows = []
     for per in args.per_device:
+        if per in done:
+            print(f"[{per} per device] already in {out}, skipped", flush=True)
+            rows.append(done[per])
+            continue
         predicted = plan(cfg, f"ep={ep}", max_len, per * ep, weights="fp8", kv_dtype=args.kv_dtype or "bfloat16",
                          chunk_size=args.chunk_size)
         (row,) = bench(model, [per * ep], args.prompt_len, args.gen_len, kv_dtype=args.kv_dtype,
                        chunk_size=args.chunk_size, breakdown=not args.no_breakdown, mesh=mesh, emit=lambda r: None)
         sent = exchange_bytes(cfg, ep, per)
         parts = row.get("decode_parts_s") or {}
-        row |= {"model": f"{args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts)",
-                "per_device": per, "planned_bytes_per_device": predicted.total, "planned_weights": predicted.weights,
+        row |= {"model": model_name, "per_device": per, "chunk_size": args.chunk_size, "planned_bytes_per_device": predicted.total, "planned_weights": predicted.weights,
                 "planned_cache": predicted.cache, "planned_temp": predicted.temp,
                 "exchange_bytes_per_step": sent, "collective_rates": rates}
         if parts.get("collectives"):
@@ -155,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_report(row), flush=True)
         print(f"  planned {fmt_bytes(predicted.total)} per device (weights {fmt_bytes(predicted.weights)}, cache "
               f"{fmt_bytes(predicted.cache)}, temporaries {fmt_bytes(predicted.temp)})", flush=True)
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _append_row(out, row)
         rows.append(row)
 
     print("\nper device | tok/s | ms/step | collectives ms/step | exchange GB/s (gathered / ragged) | peak / planned")

@@ -37,6 +37,17 @@ def test_runs_and_resumes(tmp_path, capsys):
         assert r["collective_rates"]["all_to_all"] > 0 and r["collective_rates"]["all_gather"] > 0
     assert rows[1]["planned_cache"] == pytest.approx(2 * rows[0]["planned_cache"], rel=0.1)
     assert "per device | tok/s" in second
+    with open(work / "rows.jsonl", "a") as f:
+        f.write('{"per_device": 4, "model"')  # a run killed mid-write
+    lines = (work / "rows.jsonl").read_text().splitlines()
+    assert multigpu.main([str(work), "--per-device", "1", "2", *ARGS]) == 0  # both measured: nothing runs again
+    third = capsys.readouterr().out
+    assert third.count("per device] already in") == 2
+    assert (work / "rows.jsonl").read_text().splitlines() == lines
+    assert third.splitlines()[-3:] == first.splitlines()[-2:] + second.splitlines()[-1:]  # the table, as measured
+    assert multigpu.main([str(work), "--per-device", "1", *ARGS, "--gen-len", "4"]) == 0  # other settings
+    last = (work / "rows.jsonl").read_text().splitlines()
+    assert last[:-1] == lines and json.loads(last[-1])["gen_len"] == 4
 
 
 def test_refuses_a_mesh_that_is_not_every_device(tmp_path, capsys):
