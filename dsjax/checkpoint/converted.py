@@ -134,7 +134,7 @@ def read_pieces(params: str, pieces: list[Piece], sharding=None) -> dict[str, np
     ctx = ocp.Context()
     ctx.pytree.loading.partial_load = True
     with ctx:
-        return flatten(ocp.load(params, nest(abstract)))
+        return flatten(ocp.load(os.path.abspath(params), nest(abstract)))  # Orbax refuses relative paths
 
 
 def load_converted(folder: str, dtype=jnp.float32, weights: str = "keep", mesh=None) -> DeepseekV4:

@@ -53,3 +53,10 @@ def test_an_array_missing_from_the_manifest_is_named(release, tmp_path):
     path.write_text(json.dumps(man))
     with pytest.raises(CheckpointError, match=r"lacks or repeats parts of 1 array.*model\.layers\.2\.mlp\.experts\.down_proj'"):
         dsjax.load_model(tmp_path / "o")
+
+
+def test_a_relative_path_converts_and_loads(release, tmp_path, monkeypatch):
+    """`dsjax convert ... --out converted` then `--model converted`: Orbax wants absolute paths."""
+    monkeypatch.chdir(tmp_path)
+    convert(release, "o", progress=False)
+    assert_same_state(dsjax.load_model(release), dsjax.load_model("o"))
