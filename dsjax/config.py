@@ -128,6 +128,59 @@ class QuantConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The V4.1 image encoder (HF `vision_config`; dsjax's design, no public reference): a ViT over
+    `patch_size`-pixel patches with 2-D rotary positions, whose `merge_size`² neighbouring patches are
+    merged into one decoder embedding. An image of W×H pixels (multiples of `patch_size`, as
+    deepseek-recipe preprocesses them) becomes `rows·(cols + 1) + 2` embeddings with
+    `cols = ⌈W / patch_size / merge_size⌉`, `rows = ⌈H / patch_size / merge_size⌉`: one per merged cell,
+    one closing each row, one opening and one closing the image (`layers/vision.py`)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int = 14
+    merge_size: int = 3
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "patch_size", "merge_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"vision_config.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ConfigError(f"vision_config.hidden_size ({self.hidden_size}) must split into num_heads "
+                              f"({self.num_heads}) heads of a multiple of 4 (2-D rotary: half rows, half columns)")
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any]) -> "VisionConfig":
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"vision_config must be a dict, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"vision_config has unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**raw)
+        except TypeError as e:
+            raise ConfigError(f"vision_config: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) of merged cells for a preprocessed W×H image."""
+        cell = self.patch_size * self.merge_size
+        return -(-height // cell), -(-width // cell)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """Decoder embeddings the encoder gives a preprocessed W×H image."""
+        rows, cols = self.grid(width, height)
+        return rows * (cols + 1) + 2
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every field the DeepSeek-V4 forward pass reads. Build it with `from_hf` or `preset`."""
 
@@ -173,6 +226,8 @@ class ModelConfig:
     compress_rope_theta: float = 160000.0
     # None: weights in a float dtype. Otherwise the low-precision storage the weights keep on the device.
     quantization: QuantConfig | None = None
+    # None: text only (V4-Flash). V4.1-Flash reads images through this encoder.
+    vision: VisionConfig | None = None
     # Not architecture: how decode attention and the indexer run. "auto" uses the Pallas kernels on
     # GPUs and TPUs and the pure-JAX references elsewhere; "reference" uses the references everywhere;
     # "interpret" runs the GPU kernels interpreted (any backend; slow, for tests). Never written to HF.
@@ -301,6 +356,7 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
             "pad_token_id": self.pad_token_id,
             **({"quantization_config": self.quantization.to_hf()} if self.quantization else {}),
+            **({"vision_config": self.vision.to_hf()} if self.vision else {}),
         }
 
     @classmethod
@@ -371,8 +427,10 @@ def _derive(raw: dict[str, Any]) -> dict[str, Any]:
     qc = g("quantization_config")
     if qc is not None and not isinstance(qc, Mapping):
         raise ConfigError(f"quantization_config must be a dict, got {type(qc).__name__}")
+    vc = g("vision_config")
     return dict(
         quantization=QuantConfig.from_hf(qc, g("expert_dtype")) if qc else None,
+        vision=VisionConfig.from_hf(vc) if vc is not None else None,
         vocab_size=int(g("vocab_size", 129280)),
         hidden_size=int(g("hidden_size", 4096)),
         moe_intermediate_size=int(g("moe_intermediate_size", g("intermediate_size", 2048))),
