@@ -1,0 +1,161 @@
+"""The V4.1 image encoder: a preprocessed image in, exactly the recipe's number of decoder embeddings out.
+
+No V4.1 vision weights or code are public, so the internals are dsjax's design; the contract is the
+recipe's (`deepseek-recipe` resolves and preprocesses images to W×H pixels, multiples of 14, and counts
+`rows·(cols + 1) + 2` input tokens per image, see `config.VisionConfig`):
+
+1. the image is cut into 14-pixel patches, grouped by 3×3 cells (the grid padded up to whole cells
+   with masked patches), so that the 9 patches of one cell are neighbours in the sequence;
+2. a ViT (pre-norm blocks, 2-D rotary positions: half of each head's channels turn with the patch's
+   row, half with its column) runs over the valid patches of the image;
+3. each cell's 9 patch vectors are concatenated and projected by a 2-layer MLP to the decoder's width;
+4. a learned row-end embedding closes each row of cells, learned image-begin and image-end embeddings
+   open and close the image.
+
+Shapes depend on the image's size, so one compiled program serves one size.
+"""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsjax.config import ModelConfig, VisionConfig
+from dsjax.layers.linear import Linear
+from dsjax.layers.norms import RMSNorm
+from dsjax.layers.numerics import einsum
+from dsjax.layers.rope import apply_rope
+
+# Pixel values map to [-1, 1].
+_PIXEL_SCALE = 2.0 / 255.0
+
+
+class ImageError(ValueError):
+    """An image the encoder cannot read: undecodable, or not the size the recipe's preprocessing gives."""
+
+
+def decode_image(data: bytes, vision: VisionConfig) -> np.ndarray:
+    """The RGB pixels `[H, W, 3]` uint8 of one preprocessed image (the recipe's WebP bytes, or any
+    format Pillow reads). Raises ImageError when it cannot be decoded or its sides are not multiples
+    of the patch size (an image that did not go through the recipe's preprocessing)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            pixels = np.asarray(img.convert("RGB"))
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ImageError(f"cannot decode the image ({len(data)} bytes): {e}") from None
+    h, w = pixels.shape[:2]
+    p = vision.patch_size
+    if h % p or w % p or not h or not w:
+        raise ImageError(f"image is {w}x{h} pixels; the encoder takes sides that are positive multiples of "
+                         f"{p} (preprocess it with deepseek-recipe's ImageResolver)")
+    return pixels
+
+
+def patchify(pixels_hwc: np.ndarray, vision: VisionConfig) -> dict[str, np.ndarray]:
+    """Cut `[H, W, 3]` uint8 pixels into the encoder's input, cell by cell (host side, numpy).
+
+    Returns `patches` `[N, p·p·3]` float32 (N = rows·cols·m², m the merge size; rows of pixels, then
+    columns, then channels within a patch), the patch-grid `row` and `col` of each `[N]` int32, and
+    `valid` `[N]` bool (False for the padding that completes the last row and column of cells)."""
+    p, m = vision.patch_size, vision.merge_size
+    h, w = pixels_hwc.shape[:2]
+    rows, cols = vision.grid(w, h)
+    grid_h, grid_w = rows * m, cols * m
+    padded = np.zeros((grid_h * p, grid_w * p, 3), np.float32)
+    padded[:h, :w] = pixels_hwc.astype(np.float32) * _PIXEL_SCALE - 1.0
+    # [rows, m, p, cols, m, p, 3] -> [rows, cols, m(i), m(j), p, p, 3]: a cell's patches adjacent
+    cells = padded.reshape(rows, m, p, cols, m, p, 3).transpose(0, 3, 1, 4, 2, 5, 6)
+    patches = cells.reshape(rows * cols * m * m, p * p * 3)
+    r, c, i, j = np.meshgrid(np.arange(rows), np.arange(cols), np.arange(m), np.arange(m), indexing="ij")
+    row, col = (r * m + i).reshape(-1).astype(np.int32), (c * m + j).reshape(-1).astype(np.int32)
+    valid = (row < h // p) & (col < w // p)
+    return {"patches": patches, "row": row, "col": col, "valid": valid}
+
+
+def rope_2d(row_n: jax.Array, col_n: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin `[N, head_dim/2]`: the first half of the rotated pairs turn with the row, the second
+    half with the column, each at the frequencies of a 1-D rotary table of `head_dim/2` channels."""
+    quarter = head_dim // 4
+    inv = 1.0 / (theta ** (np.arange(quarter, dtype=np.float32) / quarter))
+    angles = jnp.concatenate([row_n.astype(jnp.float32)[:, None] * inv, col_n.astype(jnp.float32)[:, None] * inv],
+                             axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+class VisionBlock(nnx.Module):
+    """Pre-norm transformer block: bidirectional attention over the image's valid patches, GELU MLP."""
+
+    def __init__(self, vision: VisionConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, self.heads = vision.hidden_size, vision.num_heads
+        self.attn_norm = RMSNorm(d, vision.norm_eps)
+        self.qkv = Linear(d, 3 * d, rngs=rngs, dtype=dtype, bias=True)
+        self.out = Linear(d, d, rngs=rngs, dtype=dtype, bias=True)
+        self.mlp_norm = RMSNorm(d, vision.norm_eps)
+        self.fc1 = Linear(d, vision.intermediate_size, rngs=rngs, dtype=dtype, bias=True)
+        self.fc2 = Linear(vision.intermediate_size, d, rngs=rngs, dtype=dtype, bias=True)
+
+    def __call__(self, x_nd: jax.Array, cos: jax.Array, sin: jax.Array, valid_n: jax.Array) -> jax.Array:
+        n, d = x_nd.shape
+        q_nhk, k_nhk, v_nhk = jnp.split(self.qkv(self.attn_norm(x_nd)).reshape(n, 3 * self.heads, -1), 3, axis=1)
+        q_nhk, k_nhk = apply_rope(q_nhk, cos[:, None], sin[:, None]), apply_rope(k_nhk, cos[:, None], sin[:, None])
+        scores_hnm = einsum("nhk,mhk->hnm", q_nhk, k_nhk).astype(jnp.float32) * (q_nhk.shape[-1] ** -0.5)
+        scores_hnm = jnp.where(valid_n[None, None, :], scores_hnm, -jnp.inf)
+        probs_hnm = jax.nn.softmax(scores_hnm, axis=-1).astype(x_nd.dtype)
+        attn_nd = einsum("hnm,mhk->nhk", probs_hnm, v_nhk).reshape(n, d)
+        x_nd = x_nd + self.out(attn_nd)
+        return x_nd + self.fc2(jax.nn.gelu(self.fc1(self.mlp_norm(x_nd)), approximate=True))
+
+
+class VisionEncoder(nnx.Module):
+    """Patches of one image → `rows·(cols + 1) + 2` embeddings of the decoder's width (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        v = cfg.vision
+        if v is None:
+            raise ValueError("the model config has no vision_config: it reads no images")
+        self.vision = v
+        d, out = v.hidden_size, cfg.hidden_size
+        self.patch_embed = Linear(v.patch_size ** 2 * 3, d, rngs=rngs, dtype=dtype, bias=True)
+        self.blocks = nnx.List([VisionBlock(v, rngs=rngs, dtype=dtype) for _ in range(v.num_layers)])
+        self.norm = RMSNorm(d, v.norm_eps)
+        self.merge_in = Linear(v.merge_size ** 2 * d, out, rngs=rngs, dtype=dtype, bias=True)
+        self.merge_out = Linear(out, out, rngs=rngs, dtype=dtype, bias=True)
+        std = cfg.initializer_range
+        self.row_end = nnx.Param((std * jax.random.normal(rngs.params(), (out,))).astype(dtype))
+        self.image_begin = nnx.Param((std * jax.random.normal(rngs.params(), (out,))).astype(dtype))
+        self.image_end = nnx.Param((std * jax.random.normal(rngs.params(), (out,))).astype(dtype))
+
+    def __call__(self, patches_nk: jax.Array, row_n: jax.Array, col_n: jax.Array, valid_n: jax.Array,
+                 rows: int, cols: int) -> jax.Array:
+        """`patchify`'s arrays for an image of `rows × cols` cells → `[rows·(cols + 1) + 2, hidden]`."""
+        v = self.vision
+        cells = rows * cols
+        if patches_nk.shape[0] != cells * v.merge_size ** 2:
+            raise ValueError(f"{patches_nk.shape[0]} patches for {rows}x{cols} cells of {v.merge_size ** 2}")
+        dtype = self.patch_embed.weight[...].dtype
+        x_nd = self.patch_embed(patches_nk.astype(dtype))
+        cos, sin = rope_2d(row_n, col_n, v.hidden_size // v.num_heads, v.rope_theta)
+        for block in self.blocks:
+            x_nd = block(x_nd, cos, sin, valid_n)
+        x_nd = jnp.where(valid_n[:, None], self.norm(x_nd), 0)  # padding patches add nothing to their cell
+        cell_ce = x_nd.reshape(cells, -1)
+        emb_ce = self.merge_out(jax.nn.gelu(self.merge_in(cell_ce), approximate=True))
+        grid_rce = emb_ce.reshape(rows, cols, -1)
+        row_end = jnp.broadcast_to(self.row_end[...].astype(dtype), (rows, 1, emb_ce.shape[-1]))
+        body = jnp.concatenate([grid_rce, row_end], axis=1).reshape(rows * (cols + 1), -1)
+        return jnp.concatenate([self.image_begin[...][None].astype(dtype), body,
+                                self.image_end[...][None].astype(dtype)], axis=0)
+
+    def encode(self, pixels_hwc: np.ndarray) -> jax.Array:
+        """One image's embeddings from its `[H, W, 3]` uint8 pixels (`decode_image`)."""
+        h, w = pixels_hwc.shape[:2]
+        rows, cols = self.vision.grid(w, h)
+        a = patchify(pixels_hwc, self.vision)
+        return self(jnp.asarray(a["patches"]), jnp.asarray(a["row"]), jnp.asarray(a["col"]),
+                    jnp.asarray(a["valid"]), rows, cols)
