@@ -11,17 +11,20 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.layers.decoder_layer import DecoderLayer
+from dsjax.layers.vision import VisionEncoder
 from dsjax.model import DeepseekV4
 from dsjax.quantize import V4_QUANT
 
 COMPONENTS = ("embedding", "attention", "compressor", "indexer", "mhc", "norms", "router",
-              "routed_experts", "shared_expert", "head")
+              "routed_experts", "shared_expert", "head", "vision")
 # The stored formats `model_info` sizes: DeepSeek's FP8 release format with FP8 or FP4 routed experts.
 FP8_STORAGE = replace(V4_QUANT, expert_dtype="fp8")
 
 
 def component(path: str) -> str:
     """The component a variable path belongs to (for the breakdown)."""
+    if path.startswith("vision."):
+        return "vision"
     if path.startswith("embed_tokens"):
         return "embedding"
     if path.startswith("lm_head"):
@@ -75,6 +78,9 @@ def _abstract_variables(cfg: ModelConfig):
         layer = nnx.eval_shape(lambda kind=kind: DecoderLayer(cfg, *kind, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
         copies = cfg.layer_kinds.count(kind)
         yield from ((path, var, copies) for path, var in nnx.to_flat_state(nnx.state(layer)))
+    if cfg.vision is not None:  # the image encoder, kept in bf16 in every storage format
+        encoder = nnx.eval_shape(lambda: VisionEncoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+        yield from ((("vision", *path), var, 1) for path, var in nnx.to_flat_state(nnx.state(encoder)))
 
 
 def model_info(cfg: ModelConfig) -> ModelInfo:
@@ -92,7 +98,9 @@ def model_info(cfg: ModelConfig) -> ModelInfo:
         comp = component(name)
         info.total += copies * n
         info.by_component[comp] += copies * n
-        info.active += copies * (n - (round(n * frac_inactive) if comp == "routed_experts" else 0))
+        # active per text token: the routed experts a token picks, and no image encoder
+        info.active += 0 if comp == "vision" else copies * (
+            n - (round(n * frac_inactive) if comp == "routed_experts" else 0))
     info.bytes_bf16 = _bytes(float_cfg)
     info.bytes_fp8 = _bytes(cfg.replace(quantization=FP8_STORAGE))
     info.bytes_fp4_experts = _bytes(cfg.replace(quantization=V4_QUANT))

@@ -78,10 +78,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # parameters: 544 routed experts (68 per GPU on 8, 17 per GPU on 32) of width 2048, 6 active per
     # token, as in V4-Flash. The first 3 layers stay hash-routed and the CSA/HCA schedule is the
     # reference default truncated to 40 layers. Total: see `dsjax info --preset v4.1-flash`.
+    # Its image encoder (dsjax's design: no V4.1 vision weights or code are public; `layers/vision.py`):
+    # a 24-layer ViT of width 1024 (16 heads, MLP 4096) over 14-pixel patches, 3×3 patches merged into
+    # one decoder embedding by a 2-layer MLP: 357M parameters, kept in bf16.
     "v4.1-flash": {
         "model_type": "deepseek_v4",
         "num_hidden_layers": 40,
         "n_routed_experts": 544,
+        "vision_config": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "intermediate_size": 4096},
     },
 }
 

@@ -32,8 +32,21 @@ def test_v41_flash_is_552b():
 def test_info_cli(capsys):
     assert main(["info", "--preset", "v4.1-flash"]) == 0
     out = capsys.readouterr().out
-    assert "total 554.53B parameters" in out and "routed_experts" in out and "active per token" in out
+    assert "total 554.88B parameters" in out and "routed_experts" in out and "active per token" in out
     assert "cache per token" in out and "compressed_sparse_attention" in out
+
+
+def test_v41_image_encoder_matches_a_hand_count():
+    """The preset's encoder: patch embedding, 24 pre-norm blocks (qkv, output, 2-layer MLP, all with
+    biases; 2 norms), a final norm, the 3×3 merger's 2 layers into the decoder's width and 3 learned
+    embeddings. It is not active per text token."""
+    hv, layers, inter, d = 1024, 24, 4096, 4096
+    block = 2 * hv + (hv * 3 * hv + 3 * hv) + (hv * hv + hv) + (hv * inter + inter) + (inter * hv + hv)
+    want = (14 * 14 * 3 * hv + hv) + layers * block + hv + (9 * hv * d + d) + (d * d + d) + 3 * d
+    cfg = ModelConfig.preset("v4.1-flash")
+    info, text_only = model_info(cfg), model_info(cfg.replace(vision=None))
+    assert info.by_component["vision"] == want == info.total - text_only.total
+    assert info.active == text_only.active and text_only.by_component["vision"] == 0
 
 
 def test_info_cli_bad_preset(capsys):
