@@ -92,6 +92,13 @@ class Recipe:
             conversation = request.convert(self.options)
         except (dr.ConversionError, ValueError, TypeError, KeyError) as e:
             return ErrorInfo("invalid_request", f"the request body was rejected: {e}")
+        images = [s.path for m in conversation.conversation.messages for s in m.image_sources]
+        if images:
+            # The prompt would hold the image placeholders without the images: answering it would
+            # silently ignore them.
+            return ErrorInfo("image_input_unsupported",
+                             f"the request holds {len(images)} image(s) (at {', '.join(images)}); this engine does "
+                             "not read images yet: send text only")
         try:
             prompt = self._encodings[conversation.model_version].encode(conversation.conversation)
         except (ValueError, RuntimeError, KeyError) as e:

@@ -139,6 +139,10 @@ def test_bad_input_becomes_error_records_and_the_job_goes_on(tmp_path, tiny_mode
         chat("long", [{"role": "user", "content": "word " * 600}]),
         chat("v41", [{"role": "user", "content": "a"}], max_tokens=2) | {"body": {
             "model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}},
+        {**chat("image", []), "body": {"model": "DeepSeek-V4.1-Flash", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {
+                "url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4"
+                       "AAAAAElFTkSuQmCC"}}]}]}},
         chat("fine", [{"role": "user", "content": "ok"}], max_tokens=2),
     ]
     inp = write_jsonl(tmp_path / "bad.jsonl", items)
@@ -151,10 +155,11 @@ def test_bad_input_becomes_error_records_and_the_job_goes_on(tmp_path, tiny_mode
     assert errors == {
         (None, 1): "invalid_json", (None, 2): "missing_custom_id", ("dup", 4): "duplicate_custom_id",
         ("url", 5): "unsupported_url", ("model", 6): "invalid_request", ("body", 7): "invalid_request",
-        ("long", 8): "context_length_exceeded", ("v41", 9): "encoding_failed"}
+        ("long", 8): "context_length_exceeded", ("v41", 9): "encoding_failed", ("image", 10): "image_input_unsupported"}
     ok = [r["custom_id"] for r in recs if not r["error"]]
     assert sorted(ok) == ["dup", "fine"]
     assert "line 1" in next(r for r in recs if r.get("line") == 1)["error"]["message"]
+    assert "1 image(s) (at .messages[0])" in next(r for r in recs if r["custom_id"] == "image")["error"]["message"]
 
 
 def test_unusable_paths_fail_before_any_work(tmp_path, tiny_model_dir, capsys):
