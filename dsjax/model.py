@@ -173,12 +173,19 @@ class DeepseekV4(nnx.Module):
         hidden = self.norm(self.hc_head(h_bsnh))
         return (hidden, per_layer) if record else hidden
 
-    def extend(self, tokens_bc: jax.Array, cache: Cache, start_b: jax.Array, n_valid_b: jax.Array):
+    def extend(self, tokens_bc: jax.Array, cache: Cache, start_b: jax.Array, n_valid_b: jax.Array,
+               spliced: tuple[jax.Array, jax.Array] | None = None):
         """Run C new tokens per slot through the cache: row b's tokens sit at positions start[b]…, of
         which the first n_valid[b] are real (0 leaves the slot untouched). Returns the final hidden
-        states `[B,C,H]` and the cache with those tokens added (`lengths = start + n_valid`)."""
+        states `[B,C,H]` and the cache with those tokens added (`lengths = start + n_valid`).
+
+        `spliced` = (embeds `[B,C,H]`, mask `[B,C]`) replaces the token embeddings where the mask is
+        set (an image's embeddings at its placeholder tokens); the token ids still route hash-MoE layers."""
         b, c = tokens_bc.shape
         x = self.embed_tokens(tokens_bc)
+        if spliced is not None:
+            embeds_bch, mask_bc = spliced
+            x = jnp.where(mask_bc[..., None], embeds_bch.astype(x.dtype), x)
         h = jnp.broadcast_to(x[:, :, None, :], (b, c, self.cfg.hc_mult, x.shape[-1]))
         groups = []
         for group, caches in zip(self.groups, cache.groups):

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
-from dsjax.engine.steps import Engine
+from dsjax.engine.steps import Engine, Spliced
 
 _IDLE = SamplingParams(temperature=0.0)
 
@@ -26,6 +26,8 @@ class Request:
     sampling: SamplingParams
     seed: int
     stop_token_ids: frozenset[int]
+    # Embeddings that replace the prompt's at some positions (an image's, at its placeholders).
+    spliced: Spliced | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +189,7 @@ def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]
         slots.generated[s] = 0
     rows = [s for s, _ in new] + pad
     cache, sampled = engine.prefill(cache, [r.prompt for _, r in new], [s for s, _ in new],
-                                    slots.sampling(rows), pad_slots=pad)
+                                    slots.sampling(rows), pad_slots=pad, spliced=[r.spliced for _, r in new])
     host = jax.device_get(sampled)
     return cache, [_emit(slots, s, host, i) for i, (s, _) in enumerate(new)]
 

@@ -7,6 +7,7 @@ Both sample on device and return `Sampled` rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -116,16 +117,20 @@ class Engine:
         return _decode.lower(self._static, self.params, cache, *_step_inputs(last_tokens, active), sampling)
 
     def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
-                sampling: SamplingArrays, pad_slots: Sequence[int] = ()) -> tuple[Cache, Sampled]:
+                sampling: SamplingArrays, pad_slots: Sequence[int] = (),
+                spliced: Sequence[Spliced | None] | None = None) -> tuple[Cache, Sampled]:
         """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token.
 
         `pad_slots` are extra distinct slots that ride along unchanged (to keep the row count, hence the
-        compiled shape, within a few buckets); `sampling` has one row per slot and pad slot.
+        compiled shape, within a few buckets); `sampling` has one row per slot and pad slot. `spliced`
+        (one entry per prompt, or None) gives embeddings that replace the token embeddings at some of a
+        prompt's positions (images at their placeholders); a chunk without any runs the text-only program.
         """
         rows = list(slots) + list(pad_slots)
         if len(set(rows)) != len(rows):
             raise ValueError(f"prefill slots must be distinct, got {rows}")
         n = len(rows)
+        spliced = _check_spliced(spliced, prompts, self.cfg.hidden_size)
         lengths = np.zeros(n, np.int64)
         lengths[:len(prompts)] = [len(p) for p in prompts]
         current = np.asarray(cache.lengths)[rows]
@@ -143,10 +148,56 @@ class Engine:
             ends_here = is_prompt & (lengths > k * c) & (lengths <= (k + 1) * c)
             cache, sampled = _prefill_chunk(
                 self._static, self.params, cache, jnp.asarray(padded[:, k * c:(k + 1) * c]), slot_ids,
-                jnp.asarray(start, jnp.int32), jnp.asarray(n_valid, jnp.int32), sampling)
+                jnp.asarray(start, jnp.int32), jnp.asarray(n_valid, jnp.int32), sampling,
+                _chunk_spliced(spliced, n, k * c, c))
             out = sampled if out is None else jax.tree.map(
                 lambda new, old: jnp.where(_expand(jnp.asarray(ends_here), new), new, old), sampled, out)
         return cache, out
+
+
+@dataclasses.dataclass(frozen=True)
+class Spliced:
+    """Embeddings `[P, hidden]` that replace a prompt's token embeddings at `positions` `[P]`."""
+
+    positions: np.ndarray
+    embeds: np.ndarray
+
+
+def _check_spliced(spliced, prompts, hidden: int) -> list[Spliced | None] | None:
+    if spliced is None or all(s is None for s in spliced):
+        return None
+    if len(spliced) != len(prompts):
+        raise ValueError(f"spliced has {len(spliced)} entries for {len(prompts)} prompts")
+    for i, (s, p) in enumerate(zip(spliced, prompts)):
+        if s is None:
+            continue
+        pos = np.asarray(s.positions)
+        if pos.ndim != 1 or s.embeds.shape != (len(pos), hidden):
+            raise ValueError(f"prompt {i}: spliced embeddings {s.embeds.shape} must be [{len(pos)}, {hidden}] "
+                             f"for its {len(pos)} positions")
+        if len(pos) and (pos.min() < 0 or pos.max() >= len(p) or len(np.unique(pos)) != len(pos)):
+            raise ValueError(f"prompt {i}: spliced positions must be distinct and within its {len(p)} tokens")
+    return list(spliced)
+
+
+def _chunk_spliced(spliced, n: int, first: int, c: int):
+    """(embeds `[n, c, hidden]`, mask `[n, c]`) for the chunk at `first`, or None if nothing lands in it."""
+    if spliced is None:
+        return None
+    hits = []
+    for i, s in enumerate(spliced):
+        if s is not None:
+            pos = np.asarray(s.positions)
+            at = (pos >= first) & (pos < first + c)
+            if at.any():
+                hits.append((i, pos[at] - first, s.embeds[at]))
+    if not hits:
+        return None
+    embeds = np.zeros((n, c, hits[0][2].shape[-1]), np.float32)
+    mask = np.zeros((n, c), bool)
+    for i, cols, rows in hits:
+        embeds[i, cols], mask[i, cols] = rows, True
+    return jnp.asarray(embeds), jnp.asarray(mask)
 
 
 def _step_inputs(last_tokens, active) -> tuple[jax.Array, jax.Array]:
@@ -200,10 +251,10 @@ def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, sampling):
+def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, sampling, spliced=None):
     model = nnx.merge(_graph(graphdef), params)
     part = take_slots(cache, slots_n)
-    hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n)
+    hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced)
     last = jnp.clip(n_valid_n - 1, 0, tokens_nc.shape[1] - 1)
     hidden_nh = jnp.take_along_axis(hidden_nch, last[:, None, None], axis=1)
     logits_nv = model.logits(hidden_nh)[:, 0]
