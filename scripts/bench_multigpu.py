@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                        chunk_size=args.chunk_size, breakdown=not args.no_breakdown, mesh=mesh, emit=lambda r: None)
         sent = exchange_bytes(cfg, ep, per)
         parts = row.get("decode_parts_s") or {}
-        row |= {"model": model_name, "per_device": per, "chunk_size": args.chunk_size, "planned_bytes_per_device": predicted.total, "planned_weights": predicted.weights,
+        row |= {"model": model_name, "per_device": per, "chunk_size": args.chunk_size,
+                "planned_bytes_per_device": predicted.total, "planned_weights": predicted.weights,
                 "planned_cache": predicted.cache, "planned_temp": predicted.temp,
                 "exchange_bytes_per_step": sent, "collective_rates": rates}
         if parts.get("collectives"):

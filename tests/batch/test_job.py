@@ -141,8 +141,8 @@ def test_bad_input_becomes_error_records_and_the_job_goes_on(tmp_path, tiny_mode
             "model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}},
         {**chat("image", []), "body": {"model": "DeepSeek-V4.1-Flash", "max_tokens": 2, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {
-                "url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4"
-                       "AAAAAElFTkSuQmCC"}}]}]}},
+                "url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4"
+                       "//8/AAX+Av4N70a4AAAAAElFTkSuQmCC"}}]}]}},
         chat("fine", [{"role": "user", "content": "ok"}], max_tokens=2),
     ]
     inp = write_jsonl(tmp_path / "bad.jsonl", items)
