@@ -7,6 +7,7 @@ stream tokens into their own output processing; a short request never waits for 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.steps import Engine, Spliced
+from dsjax.parallel.rules import slot_axes
 
 _IDLE = SamplingParams(temperature=0.0)
 
@@ -42,10 +44,16 @@ class TokenEvent:
 
 
 def _bucket(n: int, limit: int) -> int:
+    """Rows of a prefill of `n` new requests: a power of two (few compiled shapes), rounded up to whole
+    shares of the mesh axes that split the cache's slots. Fewer rows than devices could not be split, and
+    attention and the indexer would then take their references, not their kernels
+    (`kernels.dispatch.over_slots`)."""
     size = 1
     while size < n:
         size *= 2
-    return min(size, limit)
+    axes = slot_axes(jax.sharding.get_abstract_mesh(), limit)
+    share = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1
+    return min(-(-size // share) * share, limit)
 
 
 class _Slots:

@@ -22,3 +22,20 @@ def test_sampler_modes_widen_to_what_the_jobs_need_and_stay(load_case):
     assert again[0].tokens == greedy.tokens == with_logprobs[0].tokens
     assert engine.compilations() == compiled
     assert engine.sampling_modes == SamplingModes(random=True, filtered=False, logprobs=True)
+
+
+def test_prefill_rows_come_in_whole_shares_of_the_slot_axes():
+    """A power of two of rows, rounded up so that the mesh axes splitting the cache's slots split the
+    chunk too (else attention and the indexer would run their references): 8 devices and 16 slots give
+    8 or 16 rows; 4 slots split over dp=2 only give 2 or 4; no mesh, plain powers of two."""
+    import jax
+
+    from dsjax.engine.scheduler import _bucket
+    from dsjax.parallel.mesh import make_mesh
+
+    counts = (1, 2, 3, 5, 8, 9)
+    assert [_bucket(n, 16) for n in counts] == [1, 2, 4, 8, 8, 16]
+    with jax.set_mesh(make_mesh("dp=2,ep=4")):
+        assert [_bucket(n, 16) for n in counts] == [8, 8, 8, 8, 8, 16]
+        assert [_bucket(n, 4) for n in (1, 2, 3, 4)] == [2, 2, 4, 4]
+        assert _bucket(1, 5) == 1  # 5 slots: no axis splits them
