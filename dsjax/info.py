@@ -11,7 +11,6 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.layers.decoder_layer import DecoderLayer
-from dsjax.layers.vision import VisionEncoder
 from dsjax.model import DeepseekV4
 from dsjax.quantize import V4_QUANT
 
@@ -78,9 +77,6 @@ def _abstract_variables(cfg: ModelConfig):
         layer = nnx.eval_shape(lambda kind=kind: DecoderLayer(cfg, *kind, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
         copies = cfg.layer_kinds.count(kind)
         yield from ((path, var, copies) for path, var in nnx.to_flat_state(nnx.state(layer)))
-    if cfg.vision is not None:  # the image encoder, kept in bf16 in every storage format
-        encoder = nnx.eval_shape(lambda: VisionEncoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
-        yield from ((("vision", *path), var, 1) for path, var in nnx.to_flat_state(nnx.state(encoder)))
 
 
 def model_info(cfg: ModelConfig) -> ModelInfo:

@@ -20,6 +20,7 @@ from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import HyperHead
 from dsjax.layers.norms import RMSNorm
+from dsjax.layers.vision import VisionEncoder
 from dsjax.layers.numerics import einsum
 from dsjax.stacked import READ_IN_PLACE, StackedSlice
 
@@ -147,6 +148,8 @@ class DeepseekV4(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype))
+        # Made last, so that a text-only model's weights draw the same random numbers with or without it.
+        self.vision = VisionEncoder(cfg, rngs=rngs, dtype=dtype) if cfg.vision is not None else None
 
     def layer(self, index: int) -> DecoderLayer:
         """Decoder layer `index` on its own (a view of its slice of the stacked weights)."""
@@ -157,12 +160,22 @@ class DeepseekV4(nnx.Module):
                 return nnx.merge(graphdef, jax.tree.map(lambda x: x[repeat], state))
         raise IndexError(f"layer {index} out of range for {self.cfg.num_hidden_layers} layers")
 
-    def hidden_states(self, input_ids: jax.Array, record: bool = False):
+    def embed(self, token_ids: jax.Array, spliced: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """Token embeddings `[..., H]`; `spliced` = (embeds `[..., H]`, mask `[...]`) replaces them where the
+        mask is set (an image's embeddings at its placeholder tokens)."""
+        x = self.embed_tokens(token_ids)
+        if spliced is None:
+            return x
+        embeds, mask = spliced
+        return jnp.where(mask[..., None], embeds.astype(x.dtype), x)
+
+    def hidden_states(self, input_ids: jax.Array, record: bool = False,
+                      spliced: tuple[jax.Array, jax.Array] | None = None):
         """Final normed hidden states `[B,T,H]` (positions 0…T−1 in every row); with `record`, also the
-        per-layer intermediates (see `forward`)."""
+        per-layer intermediates (see `forward`); `spliced` as in `embed`."""
         b, t = input_ids.shape
         positions_bs = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids, spliced)
         h_bsnh = jnp.broadcast_to(x[:, :, None, :], (b, t, self.cfg.hc_mult, x.shape[-1]))
         per_layer = []
         for group, meta in zip(self.groups, self.groups_meta):
@@ -182,10 +195,7 @@ class DeepseekV4(nnx.Module):
         `spliced` = (embeds `[B,C,H]`, mask `[B,C]`) replaces the token embeddings where the mask is
         set (an image's embeddings at its placeholder tokens); the token ids still route hash-MoE layers."""
         b, c = tokens_bc.shape
-        x = self.embed_tokens(tokens_bc)
-        if spliced is not None:
-            embeds_bch, mask_bc = spliced
-            x = jnp.where(mask_bc[..., None], embeds_bch.astype(x.dtype), x)
+        x = self.embed(tokens_bc, spliced)
         h = jnp.broadcast_to(x[:, :, None, :], (b, c, self.cfg.hc_mult, x.shape[-1]))
         groups = []
         for group, caches in zip(self.groups, cache.groups):
@@ -203,15 +213,16 @@ class DeepseekV4(nnx.Module):
         graphdef, state = nnx.split(self)
         return _jitted_forward(graphdef, state, input_ids, lengths)
 
-    def forward(self, input_ids: jax.Array, lengths: jax.Array | None = None, record: bool = False):
+    def forward(self, input_ids: jax.Array, lengths: jax.Array | None = None, record: bool = False,
+                spliced: tuple[jax.Array, jax.Array] | None = None):
         """The traceable forward behind `__call__` (which jits it); use it inside your own transforms.
 
         With `record`, returns `(logits, per_layer)`: for each layer a dict of what it computed on the way,
         `attn_hc_comb`/`ffn_hc_comb [B,T,N,N]` (mHC mixing), `expert_ids [B,T,k]`, and for CSA layers
         `indexer_picks [B,T,entries]` and `indexer_kl`, for top-k MoE layers `moe_balance` (the training
-        losses of `dsjax.training.loss`).
+        losses of `dsjax.training.loss`). `spliced` (embeds `[B,T,H]`, mask `[B,T]`) as in `embed`.
         """
-        hidden = self.hidden_states(input_ids, record)
+        hidden = self.hidden_states(input_ids, record, spliced)
         hidden, per_layer = hidden if record else (hidden, None)
         logits = self.logits(hidden)
         if lengths is not None:

@@ -94,3 +94,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESETS["tiny-kernels"] = {**PRESETS["tiny"], "num_attention_heads": 16, "head_dim": 128,
                            "partial_rotary_factor": 0.5, "index_head_dim": 64, "sliding_window": 16,
                            "index_topk": 8}
+
+# The tiny preset reading images: a 2-layer image encoder of width 32, for tests of the image path.
+PRESETS["tiny-vision"] = {**PRESETS["tiny"], "vision_config": {"hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                                                               "intermediate_size": 64}}

@@ -52,6 +52,10 @@ _TOP = {
     "hc_head.hc_scale": "model.hc_head.hc_scale",
 }
 
+# The V4.1 image encoder's tensors (`layers/vision.py`): `model.vision.<dsjax path>` in HF names,
+# `vision.<dsjax path>` in original ones, e.g. `model.vision.blocks.3.qkv.weight`.
+VISION_PREFIX = "vision."
+
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 _MTP = re.compile(r"(^|\.)mtp\.")
@@ -74,6 +78,8 @@ def to_hf(name: str) -> str | ExpertSlice | None:
     rest = name[len("model."):] if name.startswith("model.") else name
     if rest in _TOP:
         return _TOP[rest]
+    if rest.startswith(VISION_PREFIX):
+        return "model." + rest
     m = _LAYER.fullmatch(rest)
     if not m:
         return name
@@ -99,6 +105,8 @@ def to_original(hf_name: str) -> str:
     splits those into `ffn.experts.E.w1/w3/w2.weight`). Inverse of `to_hf`."""
     if hf_name in _TOP_ORIGINAL:
         return _TOP_ORIGINAL[hf_name]
+    if hf_name.startswith("model." + VISION_PREFIX):
+        return hf_name[len("model."):]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
     if not m:
         raise ValueError(f"{hf_name!r} is not a DeepSeek-V4 HF tensor name")

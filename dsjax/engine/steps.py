@@ -18,6 +18,7 @@ from flax import nnx
 
 from dsjax.cache import Cache, init_cache
 from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingModes, sample
+from dsjax.layers.vision import cell_bucket, layout, pad_cells, patchify
 from dsjax.parallel.rules import slot_axes
 from dsjax.quant import KV_DTYPES
 
@@ -99,11 +100,26 @@ class Engine:
         specs = _cache_specs(jax.eval_shape(make))
         return jax.jit(make, out_shardings=jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), specs))()
 
+    def encode_image(self, pixels_hwc: np.ndarray) -> np.ndarray:
+        """One image's embeddings `[image_tokens, hidden]` (float32, on the host) from its `[H, W, 3]`
+        uint8 pixels (`layers.vision.decode_image`), for `Spliced`. The image is padded with blank cells
+        to `cell_bucket` cells, so images of many sizes share a few compiled encoders."""
+        vision = self.cfg.vision
+        if self.model.vision is None:
+            raise ValueError("this model has no image encoder (its config has no vision_config)")
+        h, w = pixels_hwc.shape[:2]
+        rows, cols = vision.grid(w, h)
+        a = pad_cells(patchify(pixels_hwc, vision), cell_bucket(rows * cols), vision)
+        cells, begin, row_end, end = jax.device_get(_encode_cells(
+            self._static, self.params, a["patches"], a["row"], a["col"], a["valid"]))
+        return layout(np.asarray(cells, np.float32)[:rows * cols], rows, cols,
+                      *(np.asarray(x, np.float32) for x in (begin, row_end, end)))
+
     @staticmethod
     def compilations() -> int:
         """Programs compiled so far by the steps of every engine in this process. Engines of the same
         model structure and shapes share them, so this stays constant once a job has warmed up."""
-        return _decode._cache_size() + _prefill_chunk._cache_size()
+        return _decode._cache_size() + _prefill_chunk._cache_size() + _encode_cells._cache_size()
 
     def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
@@ -260,3 +276,9 @@ def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, 
     logits_nv = model.logits(hidden_nh)[:, 0]
     cache = put_slots(cache, part, slots_n)
     return _constrain(cache), _for_host(sample(logits_nv, sampling, start_n + n_valid_n))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _encode_cells(graphdef, params, patches_nk, row_n, col_n, valid_n):
+    encoder = nnx.merge(_graph(graphdef), params).vision
+    return (encoder.cells(patches_nk, row_n, col_n, valid_n), *encoder.frame())

@@ -131,26 +131,32 @@ class VisionEncoder(nnx.Module):
         self.image_begin = nnx.Param((std * jax.random.normal(rngs.params(), (out,))).astype(dtype))
         self.image_end = nnx.Param((std * jax.random.normal(rngs.params(), (out,))).astype(dtype))
 
-    def __call__(self, patches_nk: jax.Array, row_n: jax.Array, col_n: jax.Array, valid_n: jax.Array,
-                 rows: int, cols: int) -> jax.Array:
-        """`patchify`'s arrays for an image of `rows × cols` cells → `[rows·(cols + 1) + 2, hidden]`."""
+    def cells(self, patches_nk: jax.Array, row_n: jax.Array, col_n: jax.Array, valid_n: jax.Array) -> jax.Array:
+        """`patchify`'s arrays (N patches, cell by cell) → one embedding per cell `[N / m², hidden]`. Whole
+        padding cells (all patches invalid) may follow the image's: they do not change its cells."""
         v = self.vision
-        cells = rows * cols
-        if patches_nk.shape[0] != cells * v.merge_size ** 2:
-            raise ValueError(f"{patches_nk.shape[0]} patches for {rows}x{cols} cells of {v.merge_size ** 2}")
+        if patches_nk.shape[0] % v.merge_size ** 2:
+            raise ValueError(f"{patches_nk.shape[0]} patches do not make whole cells of {v.merge_size ** 2}")
         dtype = self.patch_embed.weight[...].dtype
         x_nd = self.patch_embed(patches_nk.astype(dtype))
         cos, sin = rope_2d(row_n, col_n, v.hidden_size // v.num_heads, v.rope_theta)
         for block in self.blocks:
             x_nd = block(x_nd, cos, sin, valid_n)
         x_nd = jnp.where(valid_n[:, None], self.norm(x_nd), 0)  # padding patches add nothing to their cell
-        cell_ce = x_nd.reshape(cells, -1)
-        emb_ce = self.merge_out(jax.nn.gelu(self.merge_in(cell_ce), approximate=True))
-        grid_rce = emb_ce.reshape(rows, cols, -1)
-        row_end = jnp.broadcast_to(self.row_end[...].astype(dtype), (rows, 1, emb_ce.shape[-1]))
-        body = jnp.concatenate([grid_rce, row_end], axis=1).reshape(rows * (cols + 1), -1)
-        return jnp.concatenate([self.image_begin[...][None].astype(dtype), body,
-                                self.image_end[...][None].astype(dtype)], axis=0)
+        cell_ce = x_nd.reshape(-1, v.merge_size ** 2 * x_nd.shape[-1])
+        return self.merge_out(jax.nn.gelu(self.merge_in(cell_ce), approximate=True))
+
+    def frame(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The learned (image-begin, row-end, image-end) embeddings `[hidden]` each."""
+        return self.image_begin[...], self.row_end[...], self.image_end[...]
+
+    def __call__(self, patches_nk: jax.Array, row_n: jax.Array, col_n: jax.Array, valid_n: jax.Array,
+                 rows: int, cols: int) -> jax.Array:
+        """`patchify`'s arrays for an image of `rows × cols` cells → `[rows·(cols + 1) + 2, hidden]`."""
+        if patches_nk.shape[0] != rows * cols * self.vision.merge_size ** 2:
+            raise ValueError(f"{patches_nk.shape[0]} patches for {rows}x{cols} cells of {self.vision.merge_size ** 2}")
+        cell_ce = self.cells(patches_nk, row_n, col_n, valid_n)
+        return layout(cell_ce, rows, cols, *(e.astype(cell_ce.dtype) for e in self.frame()), xp=jnp)
 
     def encode(self, pixels_hwc: np.ndarray) -> jax.Array:
         """One image's embeddings from its `[H, W, 3]` uint8 pixels (`decode_image`)."""
@@ -159,3 +165,29 @@ class VisionEncoder(nnx.Module):
         a = patchify(pixels_hwc, self.vision)
         return self(jnp.asarray(a["patches"]), jnp.asarray(a["row"]), jnp.asarray(a["col"]),
                     jnp.asarray(a["valid"]), rows, cols)
+
+
+def layout(cell_ce, rows: int, cols: int, begin_e, row_end_e, end_e, xp=np):
+    """The image's embeddings in prompt order: `[begin, row 0's cells, row end, row 1's cells, row end, …,
+    end]`, from its `rows·cols` cell embeddings (row-major) and the learned frame (`xp`: numpy or jnp)."""
+    e = cell_ce.shape[-1]
+    grid_rce = cell_ce[:rows * cols].reshape(rows, cols, e)
+    body = xp.concatenate([grid_rce, xp.broadcast_to(row_end_e, (rows, 1, e))], axis=1).reshape(rows * (cols + 1), e)
+    return xp.concatenate([begin_e[None], body, end_e[None]], axis=0)
+
+
+def cell_bucket(cells: int) -> int:
+    """The number of cells an image is padded to before encoding: the least m·2^k ≥ `cells` with
+    8 ≤ m < 16 (at most 1/8 padding), so images of many sizes share few compiled programs."""
+    if cells <= 8:
+        return cells
+    k = max(cells.bit_length() - 4, 0)
+    return -(-cells // (1 << k)) * (1 << k)
+
+
+def pad_cells(arrays: dict[str, np.ndarray], cells: int, vision: VisionConfig) -> dict[str, np.ndarray]:
+    """`patchify`'s arrays padded with whole invalid cells up to `cells` cells."""
+    extra = cells * vision.merge_size ** 2 - len(arrays["valid"])
+    if extra < 0:
+        raise ValueError(f"{len(arrays['valid'])} patches do not fit {cells} cells")
+    return {k: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)]) for k, a in arrays.items()}

@@ -105,3 +105,26 @@ def test_bad_splices_are_refused(model, spliced, message):
         spliced = [None, Spliced(np.array([0]), np.zeros((1, 64), np.float32))]
     with pytest.raises(ValueError, match=message):
         engine.prefill(engine.new_cache(), [[1, 2, 3]], [0], sampling, spliced=spliced)
+
+
+def test_images_encode_in_padded_buckets_as_they_would_alone():
+    """`Engine.encode_image` pads an image with blank cells to its bucket: the embeddings are those of the
+    encoder run on the image alone, and two sizes in one bucket share one compiled encoder."""
+    from dsjax.layers.vision import cell_bucket
+
+    seeing = DeepseekV4(ModelConfig.preset("tiny-vision"), rngs=nnx.Rngs(5), dtype=jnp.float32)
+    engine = Engine(seeing, num_slots=2, max_len=64, chunk_size=8)
+    rng = np.random.default_rng(0)
+    # 5x5 cells (the last row and column of cells partly padding patches) pad to 26 cells; 3x6 and 2x9
+    # cells are 18 without padding, one bucket
+    sizes = [(5 * 42 - 14, 5 * 42 - 28), (6 * 42, 3 * 42 - 14), (9 * 42 - 28, 2 * 42)]
+    assert [cell_bucket(c) for c in (25, 18, 9, 8, 1000)] == [26, 18, 9, 8, 1024]
+    before = Engine.compilations()
+    for w, h in sizes:
+        pixels = rng.integers(0, 256, (h, w, 3), np.uint8)
+        got = engine.encode_image(pixels)
+        assert_close(got, np.asarray(seeing.vision.encode(pixels)), rtol=1e-5)
+        assert got.shape == (seeing.cfg.vision.image_tokens(w, h), seeing.cfg.hidden_size)
+    assert Engine.compilations() - before == 2
+    with pytest.raises(ValueError, match="no image encoder"):
+        Engine(DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)), 1, 16).encode_image(pixels)
