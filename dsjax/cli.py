@@ -135,7 +135,7 @@ def _generate(args: argparse.Namespace) -> int:
     cfg = JobConfig(model=args.model, input=args.input, output=args.output, max_batch=args.max_batch,
                     max_len=args.max_len, chunk_size=args.chunk_size, dtype=args.dtype, weights=args.weights,
                     kv_dtype=args.kv_dtype, seed=args.seed, mesh=args.mesh,
-                    progress=not args.quiet)
+                    allow_remote_images=args.allow_remote_images, progress=not args.quiet)
     try:
         s = run_job(cfg)
     except KeyboardInterrupt:
@@ -264,6 +264,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    "must multiply to the device count")
     p.add_argument("--seed", type=int, default=0,
                    help="job seed: requests that set no seed draw from it and their custom_id")
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch image URLs of requests (public addresses only: private, loopback and link-local "
+                        "ones are refused); without it a request with a remote image URL gets an error record. "
+                        "Data URLs and local files (paths relative to the input file) need no flag")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     distributed.add_distributed_args(p)
 

@@ -1,5 +1,8 @@
 """A request's images, resolved and preprocessed by deepseek-recipe for the V4.1 encoder.
 
+Local files (a path, or a `file://` URL, where a request gives an image URL) are read by the job and
+inlined as data URLs before the recipe converts the request: the recipe takes URLs and data only.
+
 Offline jobs must not reach arbitrary hosts: a source that is a remote URL is refused unless remote
 fetching was asked for, and then the fetcher connects only to public addresses (never to private,
 loopback, link-local, multicast or reserved ones, whatever the host name resolves to, redirects
@@ -8,14 +11,90 @@ included: the recipe's fetcher asks `destination_allowed` for every address it w
 
 from __future__ import annotations
 
+import base64
+import copy
 import ipaddress
-from typing import Sequence
+import os
+import re
+from typing import Any, Sequence
 
 import deepseek_recipe as dr
 
 
 class ImageRefused(ValueError):
     """A source the job will not fetch (a remote URL without `allow_remote`)."""
+
+
+class LocalImageError(ValueError):
+    """A local image file that cannot be inlined: missing, unreadable, not a file, or too large."""
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+# Leading bytes of the formats the recipe decodes; the data URL's media type is taken from them.
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
+          (b"GIF89a", "image/gif"))
+
+
+def local_path(url: str) -> str | None:
+    """The file an image URL names (a `file://` URL, or a string with no URL scheme), else None."""
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    return None if _SCHEME.match(url) else url
+
+
+def _media_type(data: bytes) -> str:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((mt for magic, mt in _MAGIC if data.startswith(magic)), "application/octet-stream")
+
+
+def _read(path: str, root: str, max_bytes: int) -> tuple[str, str]:
+    """(media type, base64 body) of the image file `path` (relative paths from `root`)."""
+    full = os.path.join(root, os.path.expanduser(path))
+    try:
+        with open(full, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise LocalImageError(f"cannot read the image file {full!r}: {e.strerror or e}") from None
+    if len(data) > max_bytes:
+        raise LocalImageError(f"the image file {full!r} is over the {max_bytes}-byte limit of one image")
+    return _media_type(data), base64.b64encode(data).decode("ascii")
+
+
+def inline_local_images(body: Any, root: str, max_bytes: int = 20 << 20) -> Any:
+    """`body` with every local image file inlined (chat `image_url`, responses `input_image`, messages
+    `image` URL sources), relative paths read from `root` (a copy: `body` is left as it was). Raises
+    LocalImageError for a file that cannot be read."""
+    if not isinstance(body, dict):
+        return body
+    body = copy.deepcopy(body)  # the structure only: strings are shared
+
+    def visit(node):
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+            return
+        if not isinstance(node, dict):
+            return
+        url = node.get("image_url")
+        if isinstance(url, dict) and isinstance(url.get("url"), str) and local_path(url["url"]) is not None:
+            mt, data = _read(local_path(url["url"]), root, max_bytes)
+            url["url"] = f"data:{mt};base64,{data}"
+        elif isinstance(url, str) and local_path(url) is not None:
+            mt, data = _read(local_path(url), root, max_bytes)
+            node["image_url"] = f"data:{mt};base64,{data}"
+        source = node.get("source")
+        if (node.get("type") == "image" and isinstance(source, dict) and source.get("type") == "url"
+                and isinstance(source.get("url"), str) and local_path(source["url"]) is not None):
+            mt, data = _read(local_path(source["url"]), root, max_bytes)
+            node["source"] = {"type": "base64", "media_type": mt, "data": data}
+        for key, value in node.items():
+            if key not in ("image_url", "source"):
+                visit(value)
+
+    visit(body)
+    return body
+
 
 
 def destination_allowed(host: str, address: str) -> bool:
@@ -37,7 +116,7 @@ class ImageResolver:
     filter; `max_bytes` bounds one fetched image."""
 
     def __init__(self, allow_remote: bool = False, max_bytes: int = 20 << 20):
-        self.allow_remote = allow_remote
+        self.allow_remote, self.max_bytes = allow_remote, max_bytes
         fetcher = dr.ReqwestImageFetcher.with_max_bytes(max_bytes)
         if allow_remote:
             fetcher = fetcher.with_destination_filter(destination_allowed)

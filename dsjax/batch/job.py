@@ -23,14 +23,17 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
+from dsjax.batch.images import ImageResolver
 from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
 from dsjax.batch.recipe import Prepared, Recipe
 from dsjax.batch.results import ResultsFile, error_record, success_record
 from dsjax.engine.generate import request_seed
 from dsjax.engine.scheduler import Request, StepTimer, run
-from dsjax.engine.steps import Engine
+from dsjax.engine.steps import Engine, Spliced
+from dsjax.layers.vision import ImageError, decode_image
 from dsjax.parallel import distributed
 from dsjax.quant import KV_DTYPES
 
@@ -51,6 +54,7 @@ class JobConfig:
     seed: int = 0
     mesh: str | None = None  # e.g. "dp=2,ep=4": routed experts split over ep (dsjax.parallel)
     window: int = 256  # requests read ahead and ordered longest prompt first
+    allow_remote_images: bool = False  # fetch remote image URLs (public addresses only); off: refused
     progress: bool = True
 
 
@@ -101,7 +105,9 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     try:
         model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights, mesh=mesh)
         context = min(cfg.max_len, model.cfg.max_position_embeddings)
-        recipe = Recipe(tokenizer, context, model.cfg.eos_token_id)
+        recipe = Recipe(tokenizer, context, model.cfg.eos_token_id, vision=model.cfg.vision,
+                        images=ImageResolver(allow_remote=cfg.allow_remote_images),
+                        image_root=os.path.dirname(os.path.abspath(cfg.input)))
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             engine = Engine(model, num_slots=cfg.max_batch, max_len=context,
                             chunk_size=min(cfg.chunk_size, context), kv_dtype=cfg.kv_dtype)
@@ -235,8 +241,6 @@ def _agree(cfg: JobConfig, tokenizer: str, error: JobError | None) -> None:
 def _done_on_process_0(cfg: JobConfig, results) -> Callable[[InputLine], bool]:
     """Multi-process: which input lines process 0's output already holds, sent to every process (a bit
     per line number), so that all skip the same lines whatever their own view of the output folder."""
-    import numpy as np
-
     mask = np.zeros(0, bool)
     if isinstance(results, ResultsFile):
         done = [line.line_no for line in read_lines(cfg.input) if results.is_done(line)]
@@ -281,13 +285,19 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, t_start) -> N
     def order(window: list[Prepared]) -> Iterator[Request]:
         # Longest prompts first keeps slots busy; no result depends on the order.
         for prep in sorted(window, key=lambda p: -len(p.prompt)):
+            try:
+                spliced = _encode_images(engine, prep)
+            except ImageError as e:
+                fail(prep.line, ErrorInfo("invalid_image", f"an image of the request could not be encoded: {e}"))
+                continue
             index = next(next_index)
             preps[index] = prep
             seed = prep.sampling.seed
             if seed is None:  # stable per custom_id: a request's draw does not depend on where it sits
                 digest = hashlib.sha256(prep.line.custom_id.encode()).digest()
                 seed = request_seed(cfg.seed, int.from_bytes(digest[:8]))
-            yield Request(index, tuple(prep.prompt), prep.sampling, seed, frozenset(prep.sampling.stop_token_ids))
+            yield Request(index, tuple(prep.prompt), prep.sampling, seed, frozenset(prep.sampling.stop_token_ids),
+                          spliced)
 
     for ev in run(engine, requests(), cancelled, timer):
         prep = preps[ev.index]
@@ -317,3 +327,18 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, t_start) -> N
             elapsed = time.perf_counter() - t_start
             bar.set_postfix(prompt_tok_s=f"{stats['prompt_tokens'] / elapsed:.0f}",
                             gen_tok_s=f"{stats['generated_tokens'] / elapsed:.0f}", refresh=False)
+
+
+def _encode_images(engine: Engine, prep: Prepared) -> Spliced | None:
+    """The embeddings of a request's images at their expanded placeholders (None without images); encoded
+    just before the request enters the scheduler, so a window of requests does not hold them all."""
+    if not prep.images:
+        return None
+    embeds = []
+    for span in prep.images:
+        e = engine.encode_image(decode_image(span.data, engine.cfg.vision))
+        if e.shape[0] != span.length:
+            raise ImageError(f"the encoder made {e.shape[0]} embeddings for an image of {span.length} tokens")
+        embeds.append(e)
+    positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in prep.images])
+    return Spliced(positions, np.concatenate(embeds))

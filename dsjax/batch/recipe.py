@@ -14,7 +14,9 @@ from typing import Any
 
 import deepseek_recipe as dr
 
+from dsjax.batch.images import ImageRefused, ImageResolver, LocalImageError, inline_local_images
 from dsjax.batch.jobfile import ErrorInfo, InputLine
+from dsjax.config import VisionConfig
 from dsjax.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 _ENDPOINTS = {
@@ -22,6 +24,16 @@ _ENDPOINTS = {
     "/v1/responses": (dr.ResponsesRequest, dr.ResponsesResponse, "resp_"),
     "/v1/messages": (dr.MessagesRequest, dr.MessagesResponse, "msg_"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSpan:
+    """One image of a prompt: its preprocessed bytes (the recipe's), filling `length` prompt positions
+    from `start` (its placeholder, expanded to the image's token count)."""
+
+    start: int
+    length: int
+    data: bytes
 
 
 @dataclasses.dataclass
@@ -36,6 +48,7 @@ class Prepared:
     _response_cls: Any
     _model: str
     _response_id: str
+    images: tuple[ImageSpan, ...] = ()
 
 
 class ResponseStream:
@@ -68,14 +81,28 @@ class ResponseStream:
 
 
 class Recipe:
-    """Converts batch lines with the recipe; `context_limit` bounds prompt + max_tokens."""
+    """Converts batch lines with the recipe; `context_limit` bounds prompt + max_tokens.
+
+    With `vision` (the model's image encoder config) requests may hold images: `images` resolves them
+    (remote URLs refused unless it allows them), local image files are read from `image_root`, and each
+    image's placeholder is expanded to the encoder's token count for it (`Prepared.images`)."""
 
     def __init__(self, tokenizer_path: str, context_limit: int, eos_token_ids: tuple[int, ...],
-                 options: dr.ConversionOptions | None = None):
+                 options: dr.ConversionOptions | None = None, vision: VisionConfig | None = None,
+                 images: ImageResolver | None = None, image_root: str = "."):
         self.tokenizer = dr.Tokenizer.from_file(tokenizer_path)
         self.context_limit = context_limit
         self.eos_token_ids = tuple(eos_token_ids)
         self.options = options or dr.ConversionOptions()
+        self.vision, self.images, self.image_root = vision, images or ImageResolver(), image_root
+        self.image_token_id = None
+        if vision is not None:
+            spelling = dr.SpecialToken.Image.default_str()
+            ids = self.tokenizer.encode(spelling)
+            if len(ids) != 1:
+                raise ValueError(f"the tokenizer has no {spelling} token (it encodes as {ids}): a model that "
+                                 "reads images needs it as one token")
+            self.image_token_id = ids[0]
         self._encodings = {
             dr.ModelVersion.DeepseekV4Pro: dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer),
             dr.ModelVersion.DeepseekV41Flash: dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer),
@@ -84,7 +111,11 @@ class Recipe:
     def prepare(self, line: InputLine) -> Prepared | ErrorInfo:
         request_cls, response_cls, id_prefix = _ENDPOINTS[line.url]
         try:
-            request = request_cls(line.body)
+            body = inline_local_images(line.body, self.image_root, self.images.max_bytes)
+        except LocalImageError as e:
+            return ErrorInfo("invalid_image", str(e))
+        try:
+            request = request_cls(body)
             model = request.model
             extras = {}
             if request_cls is dr.ResponsesRequest:
@@ -92,17 +123,23 @@ class Recipe:
             conversation = request.convert(self.options)
         except (dr.ConversionError, ValueError, TypeError, KeyError) as e:
             return ErrorInfo("invalid_request", f"the request body was rejected: {e}")
-        images = [s.path for m in conversation.conversation.messages for s in m.image_sources]
-        if images:
+        sources = [s for m in conversation.conversation.messages for s in m.image_sources]
+        if sources and self.vision is None:
             # The prompt would hold the image placeholders without the images: answering it would
             # silently ignore them.
             return ErrorInfo("image_input_unsupported",
-                             f"the request holds {len(images)} image(s) (at {', '.join(images)}); this engine does "
-                             "not read images yet: send text only")
+                             f"the request holds {len(sources)} image(s) (at {', '.join(s.path for s in sources)}); "
+                             "this model reads no images (its config has no vision_config): send text only")
         try:
             prompt = self._encodings[conversation.model_version].encode(conversation.conversation)
         except (ValueError, RuntimeError, KeyError) as e:
             return ErrorInfo("encoding_failed", f"the prompt could not be encoded with this model's tokenizer: {e}")
+        images: tuple[ImageSpan, ...] = ()
+        if sources:
+            expanded = self._expand_images(list(prompt), sources)
+            if isinstance(expanded, ErrorInfo):
+                return expanded
+            prompt, images = expanded
         try:
             max_tokens = conversation.resolve_max_tokens(len(prompt), self.context_limit)
         except dr.ConversionError as e:
@@ -127,7 +164,35 @@ class Recipe:
                 gen = gen.with_namespace_tool_map(extras["tools"]).with_echo(extras["echo"])
             return gen
 
-        return Prepared(line, list(prompt), sampling, conversation, generator, response_cls, model, response_id)
+        return Prepared(line, list(prompt), sampling, conversation, generator, response_cls, model, response_id,
+                        images)
+
+    def _expand_images(self, prompt: list[int], sources) -> tuple[list[int], tuple[ImageSpan, ...]] | ErrorInfo:
+        """Resolve the request's images and repeat each placeholder token as many times as the image has
+        tokens (the placeholders keep their id, which the hash-routed layers route by)."""
+        try:
+            data = self.images.resolve(sources)
+            adjustment = data.image_token_adjustment()
+        except ImageRefused as e:
+            return ErrorInfo("image_refused", str(e))
+        except (dr.ImageError, dr.CalcResizeError) as e:
+            return ErrorInfo("invalid_image", f"an image of the request could not be used: {e}")
+        at = [i for i, t in enumerate(prompt) if t == self.image_token_id]
+        infos = data.images
+        if len(at) != len(infos):
+            return ErrorInfo("invalid_request", f"the prompt holds {len(at)} image placeholder(s) for {len(infos)} "
+                                                "image(s)")
+        counts = [self.vision.image_tokens(i.width, i.height) for i in infos]
+        if sum(counts) - len(counts) != adjustment:
+            raise RuntimeError(f"the encoder's image token counts {counts} disagree with the recipe's "
+                               f"(+{adjustment} over the placeholders): deepseek-recipe changed its image rule")
+        out, spans, last = [], [], 0
+        for pos, n, info in zip(at, counts, infos):
+            out += prompt[last:pos]
+            spans.append(ImageSpan(len(out), n, info.data))
+            out += [self.image_token_id] * n
+            last = pos + 1
+        return out + prompt[last:], tuple(spans)
 
     def stream(self, prep: Prepared) -> ResponseStream:
         return ResponseStream(prep, self.tokenizer)

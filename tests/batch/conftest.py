@@ -35,3 +35,29 @@ def tiny_fp8_model_dir(tmp_path_factory, tiny_model_dir):
     save_model(quantize_model(load_model(tiny_model_dir)), folder, naming="original")
     shutil.copy(os.path.join(tiny_model_dir, "tokenizer.json"), folder / "tokenizer.json")
     return str(folder)
+
+
+
+def _v41_dir(tmp_path_factory, preset: str) -> str:
+    """A tiny model of `preset` with the embedded model's tokenizer (DeepSeek-V4's, cut to 8,192 ids, with
+    every V4.1 special token, which the V4 tokenizer above lacks)."""
+    from dsjax.embedded import MODEL_DIR
+
+    cfg = ModelConfig.from_hf({**ModelConfig.preset(preset).to_hf(), "vocab_size": 8192,
+                               "max_position_embeddings": 4096})
+    folder = tmp_path_factory.mktemp(preset)
+    save_model(DeepseekV4(cfg, rngs=nnx.Rngs(0)), folder)
+    shutil.copy(os.path.join(MODEL_DIR, "tokenizer.json"), folder / "tokenizer.json")
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_model_dir(tmp_path_factory):
+    """A tiny V4.1 that reads images."""
+    return _v41_dir(tmp_path_factory, "tiny-vision")
+
+
+@pytest.fixture(scope="session")
+def tiny_blind_model_dir(tmp_path_factory):
+    """`tiny_vision_model_dir`'s decoder without the image encoder: the same weights (it is made last)."""
+    return _v41_dir(tmp_path_factory, "tiny")
