@@ -74,3 +74,23 @@ def test_data_urls_resolve_offline(allow_remote):
 def test_an_undecodable_image_is_the_recipes_error():
     with pytest.raises(dr.ImageError):
         ImageResolver().resolve([dr.BytesImageSource(b"not an image")])
+
+
+def test_local_files_are_inlined_as_data_urls_with_their_sniffed_type(tmp_path):
+    from dsjax.batch.images import LocalImageError, inline_local_images, local_path
+
+    assert [local_path(u) for u in ("a.png", "/x/b.png", "file:///x/c.png", "http://h/d.png", "data:image/png;,")] \
+        == ["a.png", "/x/b.png", "/x/c.png", None, None]
+    png = base64.b64decode(_data_url().split(",", 1)[1])
+    (tmp_path / "pic.jpg").write_bytes(png)  # a PNG whatever its name says
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "pic.jpg"}},
+                                                      {"type": "text", "text": "pic.jpg"}]}]}
+    out = inline_local_images(body, str(tmp_path))
+    assert out["messages"][0]["content"][0]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(
+        png).decode()
+    assert out["messages"][0]["content"][1] == {"type": "text", "text": "pic.jpg"}
+    assert body["messages"][0]["content"][0]["image_url"]["url"] == "pic.jpg"  # the caller's body is untouched
+    with pytest.raises(LocalImageError, match="over the 10-byte limit"):
+        inline_local_images(body, str(tmp_path), max_bytes=10)
+    with pytest.raises(LocalImageError, match="cannot read the image file .*missing.png"):
+        inline_local_images({"input": [{"type": "input_image", "image_url": "missing.png"}]}, str(tmp_path))
