@@ -98,3 +98,8 @@ PRESETS["tiny-kernels"] = {**PRESETS["tiny"], "num_attention_heads": 16, "head_d
 # The tiny preset reading images: a 2-layer image encoder of width 32, for tests of the image path.
 PRESETS["tiny-vision"] = {**PRESETS["tiny"], "vision_config": {"hidden_size": 32, "num_layers": 2, "num_heads": 2,
                                                                "intermediate_size": 64}}
+
+# The embedded default model as shipped (`dsjax/embedded/model/`): the demo decoder and a 2-layer image
+# encoder of width 32, trained by `scripts/train_vision.py` with the decoder frozen (`training/vision.py`).
+PRESETS["demo-vision"] = {**PRESETS["demo"], "vision_config": {"hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                                                               "intermediate_size": 64}}
