@@ -1,7 +1,8 @@
 """`dsjax generate --demo`: the whole offline job on the embedded model and its bundled requests.
 
 Nothing is downloaded: the model (`dsjax/embedded/model`, a small V4 trained on the Python standard
-library by `scripts/train_tiny.py`) and the requests ship with the package. The job is the real one
+library by `scripts/train_tiny.py`, with an image encoder trained by `scripts/train_vision.py` to name
+the colour of a shape) and the requests, one of them with an image, ship with the package. The job is the real one
 (recipe in, engine, recipe out); this module only picks its settings and prints what came out.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 from dsjax.batch.job import JobConfig, run_job
 from dsjax.embedded import MODEL_DIR, SAMPLE_REQUESTS
 
-# Every bundled request fits: prompts of at most ~160 tokens plus max_tokens of 160.
+# Every bundled request fits: prompts of at most ~210 tokens (the image request) plus max_tokens of 160.
 DEMO_JOB = dict(max_batch=8, max_len=384, chunk_size=128, dtype="float32")
 
 
@@ -40,13 +41,20 @@ def parsed_response(body: dict[str, Any]) -> tuple[str, str]:
 def _prompt(request: dict[str, Any]) -> str:
     body = request["body"]
     if "messages" in body:
-        return body["messages"][-1]["content"]
+        content = body["messages"][-1]["content"]
+        if isinstance(content, str):
+            return content
+        return " ".join(p["text"] if p.get("type") == "text" else "[image]" for p in content)
     return body["input"] if isinstance(body["input"], str) else json.dumps(body["input"])
 
 
+def _has_image(request: dict[str, Any]) -> bool:
+    return "image" in json.dumps(request["body"].get("messages", ""))
+
+
 def run_demo(output: str | None = None, show: int = 3, progress: bool = True) -> dict[str, Any]:
-    """Run the bundled requests through the embedded model; print `show` parsed responses and the
-    throughput summary. Results go to `output` (default: a new temporary folder)."""
+    """Run the bundled requests through the embedded model; print `show` parsed responses, those of the
+    requests with images, and the throughput summary. Results go to `output` (default: a new temporary folder)."""
     if output is None:
         output = os.path.join(tempfile.mkdtemp(prefix="dsjax-demo-"), "results.jsonl")
     summary = run_job(JobConfig(model=MODEL_DIR, input=SAMPLE_REQUESTS, output=output, progress=progress,
@@ -55,7 +63,7 @@ def run_demo(output: str | None = None, show: int = 3, progress: bool = True) ->
         requests = {r["custom_id"]: r for r in map(json.loads, f)}
     with open(output) as f:
         records = sorted(map(json.loads, f), key=lambda r: list(requests).index(r["custom_id"]))
-    for rec in records[:show]:
+    for rec in [r for i, r in enumerate(records) if i < show or _has_image(requests[r["custom_id"]])]:
         print(f"\n── {rec['custom_id']} ({requests[rec['custom_id']]['body']['model']}, "
               f"{requests[rec['custom_id']]['url']}) ──")
         print("user:     " + _prompt(requests[rec["custom_id"]]))

@@ -23,6 +23,22 @@ def assert_same_state(a, b) -> None:
         assert sa[p].tobytes() == sb[p].tobytes(), p
 
 
+def recipe_prompt_tokens(body: dict, tokenizer: str, url: str = "/v1/chat/completions") -> int:
+    """deepseek-recipe's own prompt count for a V4.1 request body: its encoded prompt (one placeholder per
+    image) plus the images' `image_token_adjustment` (data URLs only: nothing is fetched)."""
+    import deepseek_recipe as dr
+
+    endpoint = {"/v1/chat/completions": dr.ChatCompletionRequest, "/v1/responses": dr.ResponsesRequest,
+                "/v1/messages": dr.MessagesRequest}[url]
+    conv = endpoint(body).convert(dr.ConversionOptions())
+    prompt = dr.DeepseekV41Encoding().with_tokenizer(dr.Tokenizer.from_file(tokenizer)).encode(conv.conversation)
+    sources = [s for m in conv.conversation.messages for s in m.image_sources]
+    if not sources:
+        return len(prompt)
+    images = dr.ImageResolver(dr.ReqwestImageFetcher.with_max_bytes(1 << 24), dr.OpenCvImagePreprocessor())
+    return len(prompt) + images.resolve(sources, dr.ImageQuota()).image_token_adjustment()
+
+
 def mesh_cuda_module(fn, *args) -> str:
     """`fn` of `args`' shapes lowered for 8 H200s as a dp=2, ep=4 mesh (abstract devices: none needed)."""
     import jax

@@ -25,10 +25,16 @@ def test_demo_prints_parsed_code_and_writes_every_response(tmp_path):
     out = tmp_path / "demo.jsonl"
     proc = _dsjax("generate", "--demo", "--output", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("answer:") == 3 and "thinking:" in proc.stdout
-    assert "8 ok, 0 failed" in proc.stdout and f"results: {out}" in proc.stdout
+    assert proc.stdout.count("answer:") == 4 and "thinking:" in proc.stdout
+    assert "9 ok, 0 failed" in proc.stdout and f"results: {out}" in proc.stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["custom_id"] for r in records) == [f"demo-{i}" for i in range(8)]
+    assert sorted(r["custom_id"] for r in records) == [f"demo-{i}" for i in range(9)]
+    # The image request (a purple square, drawn by `training.vision.shape_image` from seed 103) is shown
+    # and answered from the image.
+    assert "user:     [image] What colour is the shape?\nanswer:   purple" in proc.stdout
+    image = next(r for r in records if r["custom_id"] == "demo-8")
+    assert parsed_response(image["response"]["body"]) == ("", "purple")
+    records = [r for r in records if r is not image]
     parsed = [parsed_response(r["response"]["body"]) for r in records]
     assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in records)
     # It learned the corpus: fenced Python that defines something, and thinking where it was asked for.

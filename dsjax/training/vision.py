@@ -182,3 +182,34 @@ def train_encoder(model: DeepseekV4, data: ShapeData, steps: int, batch_size: in
             log({"step": i, "loss": round(float(loss), 4), "heldout_answer_accuracy": evaluate(params),
                  "seconds": round(time.perf_counter() - t0, 1)})
     return nnx.merge(graphdef, params, frozen)
+
+
+def task_accuracy(model_dir: str, n: int, seed: int, workdir: str, **job) -> dict:
+    """Ask `dsjax generate` (the real job) about `n` fresh images from `seed`; the share of answers that
+    name the shape's colour, with the per-colour counts. `job`: JobConfig settings."""
+    import json
+    import os
+
+    from dsjax.batch.job import JobConfig, run_job
+
+    rng = np.random.default_rng(seed)
+    truth = {}
+    inp, out = os.path.join(workdir, "shapes.jsonl"), os.path.join(workdir, "shapes.out.jsonl")
+    with open(inp, "w") as f:
+        for i in range(n):
+            png, name = shape_image(rng)
+            truth[f"shape-{i}"] = name
+            f.write(json.dumps(shape_request(f"shape-{i}", png)) + "\n")
+    summary = run_job(JobConfig(model=model_dir, input=inp, output=out, **job))
+    with open(out) as f:
+        records = [json.loads(line) for line in f]
+    answers = {r["custom_id"]: answer_of(r) for r in records}
+    per_colour = {c: [0, 0] for c in COLOURS}
+    for cid, name in truth.items():
+        per_colour[name][0] += answers.get(cid) == name
+        per_colour[name][1] += 1
+    right = sum(hit for hit, _ in per_colour.values())
+    return {"images": n, "accuracy": right / n, "chance": 1 / len(COLOURS),
+            "per_colour": {c: f"{hit}/{total}" for c, (hit, total) in per_colour.items()},
+            "errors": sum(1 for r in records if r.get("error")), "records": records,
+            "wall_seconds": summary["wall_seconds"]}

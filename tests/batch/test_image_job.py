@@ -17,6 +17,7 @@ from dsjax.batch.job import JobConfig, run_job
 from dsjax.cli import main
 from tests.batch.conftest import JOB
 from tests.batch.test_job import canonical, records, write_jsonl
+from tests.helpers import recipe_prompt_tokens
 
 M = "DeepSeek-V4.1-Flash"
 
@@ -42,23 +43,9 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _recipe_count(body: dict, endpoint) -> int:
-    """The recipe's own prompt count: the encoded prompt (one placeholder per image) plus its
-    `image_token_adjustment`."""
-    tok = dr.Tokenizer.from_file(_TOKENIZER[0])
-    conv = endpoint(body).convert(dr.ConversionOptions())
-    prompt = dr.DeepseekV41Encoding().with_tokenizer(tok).encode(conv.conversation)
-    sources = [s for m in conv.conversation.messages for s in m.image_sources]
-    data = dr.ImageResolver(dr.ReqwestImageFetcher.with_max_bytes(1 << 24), dr.OpenCvImagePreprocessor()).resolve(
-        sources, dr.ImageQuota())
-    return len(prompt) + data.image_token_adjustment()
-
-
-_TOKENIZER = []
 
 
 def test_image_requests_end_to_end(tmp_path, tiny_vision_model_dir):
-    _TOKENIZER[:] = [f"{tiny_vision_model_dir}/tokenizer.json"]
     small, wide = _png(40, 30, 1), _png(300, 120, 2)
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "wide.png").write_bytes(wide)
@@ -86,8 +73,6 @@ def test_image_requests_end_to_end(tmp_path, tiny_vision_model_dir):
     summary = run_job(JobConfig(model=tiny_vision_model_dir, input=inp, output=str(tmp_path / "out.jsonl"), **JOB))
     assert summary["requests_ok"] == len(items) and summary["requests_failed"] == 0
     recs = {r["custom_id"]: r for r in records(tmp_path / "out.jsonl")}
-    endpoints = {"/v1/chat/completions": dr.ChatCompletionRequest, "/v1/responses": dr.ResponsesRequest,
-                 "/v1/messages": dr.MessagesRequest}
     local = {"imgs/wide.png": _data_url(wide), f"file://{tmp_path}/imgs/wide.png": _data_url(wide)}
     for item in items:
         rec = recs[item["custom_id"]]
@@ -99,7 +84,7 @@ def test_image_requests_end_to_end(tmp_path, tiny_vision_model_dir):
         if item["custom_id"] == "messages":
             body["messages"][0]["content"][0]["source"] = {"type": "base64", "media_type": "image/png",
                                                            "data": base64.b64encode(wide).decode()}
-        want = _recipe_count(body, endpoints[item["url"]])
+        want = recipe_prompt_tokens(body, f"{tiny_vision_model_dir}/tokenizer.json", item["url"])
         got = usage.get("prompt_tokens", usage.get("input_tokens"))
         assert got == want, (item["custom_id"], got, want)
     assert recs["text"]["response"]["body"]["usage"]["prompt_tokens"] < 100
@@ -158,3 +143,44 @@ def test_text_requests_are_unchanged_by_the_encoder(tmp_path, tiny_blind_model_d
         run_job(JobConfig(model=model, input=inp, output=str(tmp_path / f"{name}.jsonl"), **JOB))
         outs.append(sorted((canonical(r) for r in records(tmp_path / f"{name}.jsonl")), key=lambda r: r["custom_id"]))
     assert outs[0] == outs[1]
+
+
+def test_each_image_lands_on_its_own_placeholders(tmp_path, tiny_vision_model_dir):
+    """With the encoder replaced by a known function (row r of an image of W px: [W, r, ...]), the spliced
+    positions are exactly the prompt's image tokens, each image's rows on its own run, in order."""
+    import types
+
+    from dsjax.batch.jobfile import InputLine
+    from dsjax.batch.job import _encode_images
+    from dsjax.batch.recipe import Recipe
+    from dsjax.config import ModelConfig
+
+    cfg = ModelConfig.preset("tiny-vision")
+    recipe = Recipe(f"{tiny_vision_model_dir}/tokenizer.json", 4096, (1,), vision=cfg.vision)
+    pngs = [_png(40, 30, 1), _png(300, 120, 2), _png(100, 100, 3)]
+    body = chat("x", [image_part(_data_url(pngs[0])), {"type": "text", "text": "then"},
+                      image_part(_data_url(pngs[1]))],
+                history=[{"role": "user", "content": [image_part(_data_url(pngs[2]))]},
+                         {"role": "assistant", "content": "ok", "reasoning_content": ""}])["body"]
+    prep = recipe.prepare(InputLine(1, "x", "/v1/chat/completions", body))
+
+    def known(pixels):  # row i of an image W px wide: W·1000 + i everywhere
+        h, w = pixels.shape[:2]
+        n = cfg.vision.image_tokens(w, h)
+        return np.repeat(w * 1000.0 + np.arange(n, dtype=np.float32)[:, None], cfg.hidden_size, axis=1)
+
+    engine = types.SimpleNamespace(cfg=cfg, encode_image=known)
+    spliced = _encode_images(engine, prep)
+    placeholders = np.flatnonzero(np.asarray(prep.prompt) == recipe.image_token_id)
+    np.testing.assert_array_equal(spliced.positions, placeholders)
+    # in prompt order: the history's image, then the last turn's two
+    resolver = dr.ImageResolver(dr.ReqwestImageFetcher.with_max_bytes(1 << 24), dr.OpenCvImagePreprocessor())
+    widths = [resolver.resolve([dr.BytesImageSource(pngs[k])], dr.ImageQuota()).images[0].width for k in (2, 0, 1)]
+    assert len(set(widths)) == 3 and len(prep.images) == 3
+    first = 0
+    for span, w in zip(prep.images, widths):
+        assert np.all(np.diff(spliced.positions[first:first + span.length]) == 1)
+        want = np.repeat(w * 1000.0 + np.arange(span.length)[:, None], cfg.hidden_size, axis=1)
+        np.testing.assert_array_equal(spliced.embeds[first:first + span.length], want)
+        first += span.length
+    assert first == len(placeholders)
