@@ -184,3 +184,19 @@ def test_each_image_lands_on_its_own_placeholders(tmp_path, tiny_vision_model_di
         np.testing.assert_array_equal(spliced.embeds[first:first + span.length], want)
         first += span.length
     assert first == len(placeholders)
+
+
+def test_image_requests_on_a_mesh_give_the_same_records(tmp_path, tiny_vision_model_dir):
+    """`--mesh dp=2,ep=4`: the encoder runs with the sharded model and the greedy answers are unchanged."""
+    items = [chat("a", [{"type": "text", "text": "What is it?"}, image_part(_data_url(_png(40, 30, 5)))]),
+             chat("b", "Just text."), chat("c", [image_part(_data_url(_png(200, 90, 6)))], max_tokens=4)]
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
+    outs = []
+    for mesh in ([], ["--mesh", "dp=2,ep=4"]):
+        out = str(tmp_path / f"{len(outs)}.jsonl")
+        assert main(["generate", "--model", tiny_vision_model_dir, "--input", inp, "--output", out,
+                     "--max-batch", "4", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32",
+                     "--quiet", *mesh]) == 0
+        outs.append(sorted((canonical(r) for r in records(out)), key=lambda r: r["custom_id"]))
+    assert all(r["response"]["status_code"] == 200 for r in outs[0])
+    assert outs[0] == outs[1]
