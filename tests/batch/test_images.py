@@ -3,8 +3,6 @@ the fetcher never connects to private, loopback or link-local addresses."""
 
 import base64
 import io
-import socketserver
-import threading
 
 import deepseek_recipe as dr
 import pytest
@@ -22,23 +20,6 @@ from dsjax.batch.images import ImageRefused, ImageResolver, destination_allowed
 ])
 def test_destination_filter(address, allowed):
     assert destination_allowed("example.com", address) is allowed
-
-
-@pytest.fixture
-def listener():
-    """A TCP server on 127.0.0.1 that counts the connections it accepts."""
-    hits = []
-
-    class Count(socketserver.BaseRequestHandler):
-        def handle(self):
-            hits.append(self.client_address)
-
-    server = socketserver.TCPServer(("127.0.0.1", 0), Count)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1], hits
-    server.shutdown()
-    server.server_close()
 
 
 def _data_url(w=60, h=40) -> str:
