@@ -98,8 +98,11 @@ def test_bad_and_refused_images_become_error_records(tmp_path, tiny_vision_model
         chat("localhost", [image_part(f"http://localhost:{port}/a.png")]),
         chat("undecodable", [image_part("data:image/png;base64," + base64.b64encode(b"not an image").decode())]),
         chat("missing-file", [image_part("no/such.png")]),
+        chat("too-large", [image_part("big.png")]),
+        chat("over-quota", [image_part(good)] * 601),  # the recipe's quota: 600 images per request
         chat("fine", [{"type": "text", "text": "ok"}, image_part(good)]),
     ]
+    (tmp_path / "big.png").write_bytes(_png(8, 8, 1) + bytes(20 << 20))  # past the 20 MiB a file may have
     inp = write_jsonl(tmp_path / "in.jsonl", items)
     out = str(tmp_path / "out.jsonl")
     args = ["generate", "--model", tiny_vision_model_dir, "--input", inp, "--output", out, "--max-batch", "2",
@@ -109,7 +112,10 @@ def test_bad_and_refused_images_become_error_records(tmp_path, tiny_vision_model
     codes = {cid: (r["error"] or {}).get("code") for cid, r in recs.items()}
     refused = "image_refused" if not flag else "invalid_image"
     assert codes == {"remote": refused, "localhost": refused, "undecodable": "invalid_image",
-                     "missing-file": "invalid_image", "fine": None}
+                     "missing-file": "invalid_image", "too-large": "invalid_image", "over-quota": "invalid_image",
+                     "fine": None}
+    assert "over the 20971520-byte limit" in recs["too-large"]["error"]["message"]
+    assert "600 images" in recs["over-quota"]["error"]["message"]
     if not flag:
         assert "--allow-remote-images" in recs["remote"]["error"]["message"]
     assert "no/such.png" in recs["missing-file"]["error"]["message"]
