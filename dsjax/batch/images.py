@@ -12,7 +12,6 @@ included: the recipe's fetcher asks `destination_allowed` for every address it w
 from __future__ import annotations
 
 import base64
-import copy
 import ipaddress
 import os
 import re
@@ -63,38 +62,39 @@ def _read(path: str, root: str, max_bytes: int) -> tuple[str, str]:
 
 def inline_local_images(body: Any, root: str, max_bytes: int = 20 << 20) -> Any:
     """`body` with every local image file inlined (chat `image_url`, responses `input_image`, messages
-    `image` URL sources), relative paths read from `root` (a copy: `body` is left as it was). Raises
-    LocalImageError for a file that cannot be read."""
-    if not isinstance(body, dict):
-        return body
-    body = copy.deepcopy(body)  # the structure only: strings are shared
+    `image` URL sources), relative paths read from `root`. `body` is left as it was: the parts on the
+    way to an inlined image are new, the rest is shared, and a body without local images is returned
+    itself. Raises LocalImageError for a file that cannot be read."""
+
+    def data_url(path: str) -> str:
+        mt, data = _read(path, root, max_bytes)
+        return f"data:{mt};base64,{data}"
 
     def visit(node):
         if isinstance(node, list):
-            for item in node:
-                visit(item)
-            return
+            items = [visit(item) for item in node]
+            return node if all(a is b for a, b in zip(items, node)) else items
         if not isinstance(node, dict):
-            return
+            return node
+        changed = {}
         url = node.get("image_url")
         if isinstance(url, dict) and isinstance(url.get("url"), str) and local_path(url["url"]) is not None:
-            mt, data = _read(local_path(url["url"]), root, max_bytes)
-            url["url"] = f"data:{mt};base64,{data}"
+            changed["image_url"] = {**url, "url": data_url(local_path(url["url"]))}
         elif isinstance(url, str) and local_path(url) is not None:
-            mt, data = _read(local_path(url), root, max_bytes)
-            node["image_url"] = f"data:{mt};base64,{data}"
+            changed["image_url"] = data_url(local_path(url))
         source = node.get("source")
         if (node.get("type") == "image" and isinstance(source, dict) and source.get("type") == "url"
                 and isinstance(source.get("url"), str) and local_path(source["url"]) is not None):
             mt, data = _read(local_path(source["url"]), root, max_bytes)
-            node["source"] = {"type": "base64", "media_type": mt, "data": data}
+            changed["source"] = {"type": "base64", "media_type": mt, "data": data}
         for key, value in node.items():
             if key not in ("image_url", "source"):
-                visit(value)
+                new = visit(value)
+                if new is not value:
+                    changed[key] = new
+        return {**node, **changed} if changed else node
 
-    visit(body)
-    return body
-
+    return visit(body)
 
 
 def destination_allowed(host: str, address: str) -> bool:

@@ -338,7 +338,9 @@ def _encode_images(engine: Engine, prep: Prepared) -> Spliced | None:
     for span in prep.images:
         e = engine.encode_image(decode_image(span.data, engine.cfg.vision))
         if e.shape[0] != span.length:
-            raise ImageError(f"the encoder made {e.shape[0]} embeddings for an image of {span.length} tokens")
+            # The recipe's count and the encoder's layout disagree: a dsjax bug, not the image's fault.
+            raise RuntimeError(f"the encoder made {e.shape[0]} embeddings for an image the recipe counts as "
+                               f"{span.length} tokens")
         embeds.append(e)
     positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in prep.images])
     return Spliced(positions, np.concatenate(embeds))

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dsjax.batch.jobfile import InputLine
+from dsjax.batch.jobfile import ErrorInfo, InputLine
 from dsjax.batch.recipe import Recipe
 from dsjax.layers.vision import decode_image, patchify
 from dsjax.model import DeepseekV4
@@ -101,7 +101,7 @@ class ShapeData:
         for i in range(n):
             png, name = shape_image(self.rng)
             prep = self.recipe.prepare(InputLine(i, "x", "/v1/chat/completions", shape_request("x", png)["body"]))
-            if not hasattr(prep, "images") or len(prep.images) != 1:
+            if isinstance(prep, ErrorInfo) or len(prep.images) != 1:
                 raise RuntimeError(f"the recipe did not prepare the task's request: {prep}")
             span = prep.images[0]
             pixels = decode_image(span.data, self.recipe.vision)

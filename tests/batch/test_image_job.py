@@ -175,6 +175,10 @@ def test_each_image_lands_on_its_own_placeholders(tmp_path, tiny_vision_model_di
         np.testing.assert_array_equal(spliced.embeds[first:first + span.length], want)
         first += span.length
     assert first == len(placeholders)
+    # An encoder whose count disagrees with the recipe's is dsjax's bug: raised, not blamed on the image.
+    engine = types.SimpleNamespace(cfg=cfg, encode_image=lambda pixels: known(pixels)[1:])
+    with pytest.raises(RuntimeError, match="the encoder made .* embeddings for an image the recipe counts as"):
+        _encode_images(engine, prep)
 
 
 def test_image_requests_on_a_mesh_give_the_same_records(tmp_path, tiny_vision_model_dir):

@@ -71,6 +71,14 @@ def test_local_files_are_inlined_as_data_urls_with_their_sniffed_type(tmp_path):
         png).decode()
     assert out["messages"][0]["content"][1] == {"type": "text", "text": "pic.jpg"}
     assert body["messages"][0]["content"][0]["image_url"]["url"] == "pic.jpg"  # the caller's body is untouched
+    assert out["messages"][0]["content"][1] is body["messages"][0]["content"][1]  # what holds no image is shared
+    text_only = {"messages": [{"role": "user", "content": "pic.jpg"}], "max_tokens": 3}
+    assert inline_local_images(text_only, str(tmp_path)) is text_only
+    source = {"type": "image", "source": {"type": "url", "url": f"file://{tmp_path}/pic.jpg"}}
+    out = inline_local_images({"messages": [{"role": "user", "content": [source]}]}, "/elsewhere")
+    assert out["messages"][0]["content"][0] == {"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": base64.b64encode(png).decode()}}
+    assert source["source"]["type"] == "url"
     with pytest.raises(LocalImageError, match="over the 10-byte limit"):
         inline_local_images(body, str(tmp_path), max_bytes=10)
     with pytest.raises(LocalImageError, match="cannot read the image file .*missing.png"):
