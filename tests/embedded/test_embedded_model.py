@@ -62,11 +62,12 @@ def test_it_reads_images_its_decoder_unchanged():
 
 
 def test_shapes_task_through_generate_beats_chance_by_far(tmp_path):
-    """100 fresh images (not the training draws) through `dsjax generate`: the answers name the shape's
-    colour far more often than chance (1 in 6); every record is a 200 whose prompt usage is the recipe's."""
+    """48 fresh images (not the training draws; `scripts/eval_vision.py` runs 100) through `dsjax generate`:
+    the answers name the shape's colour far more often than chance (1 in 6); every record is a 200 whose
+    prompt usage is the recipe's."""
     from dsjax.training.vision import task_accuracy
 
-    result = task_accuracy(MODEL_DIR, 100, 1000, str(tmp_path), max_batch=16, max_len=256, chunk_size=128,
+    result = task_accuracy(MODEL_DIR, 48, 1000, str(tmp_path), max_batch=16, max_len=256, chunk_size=128,
                            dtype="float32", progress=False)
     print({k: v for k, v in result.items() if k != "records"})
     assert result["errors"] == 0
