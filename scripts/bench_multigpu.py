@@ -13,7 +13,11 @@ by row: a sequence count already measured with the same settings is not measured
    converted checkpoint (decode throughput, peak memory of every device, the decode step by part with
    the collectives apart, on GPUs);
 4. the collectives' bandwidth on this mesh, measured alone (an all-to-all and an all-gather of 256 MiB
-   per device), against the bytes the MoE's exchange moves per step (`scripts/comm_bytes.py`).
+   per device), against the bytes the MoE's exchange moves per step (`scripts/comm_bytes.py`);
+5. with `--check-sequences N`: greedy tokens of N random prompts on the mesh against the same
+   checkpoint loaded whole onto the first device (it must fit there), kept in `WORKDIR/tokens.json`.
+   Where a sequence parts, the one-device run's margin between its first and second choice at that
+   step tells a rounding tie (near 0) from a wrong result.
 
 The last lines are a table: per sequence count, tokens/s, ms per step, the collectives' ms per step and
 the bandwidth they reached, measured peak against planned bytes per device. Runs on CPU devices too
@@ -60,6 +64,41 @@ def exchange_bytes(cfg, ep: int, tokens_per_device: int) -> dict[str, float]:
     from comm_bytes import layer_bytes
 
     return {k: v * cfg.num_hidden_layers for k, v in layer_bytes(cfg, ep, tokens_per_device).items()}
+
+
+def check_tokens(model, mesh, one_device, n: int, prompt_len: int, gen_len: int, seed: int = 0) -> dict:
+    """Greedy tokens of `n` random `prompt_len`-token prompts, `gen_len` each, from `model` on `mesh` and
+    from `one_device` (the same weights on one device): how many sequences and tokens agree, where each
+    differing sequence parts and the one-device margin (nats) between its top two choices there, and the
+    largest difference of a chosen token's log-probability before any parting."""
+    import jax
+    import numpy as np
+
+    from dsjax.engine.generate import generate
+    from dsjax.engine.sampling import SamplingParams
+
+    prompts = np.random.default_rng(seed).integers(0, model.cfg.vocab_size, (n, prompt_len)).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=gen_len, stop_token_ids=[], logprobs=2)
+    runs = {}
+    for name, m, where in (("mesh", model, mesh), ("one_device", one_device, None)):
+        t = time.perf_counter()
+        if where is None:
+            runs[name] = generate(m, prompts, greedy, max_batch=n, max_len=prompt_len + gen_len)
+        else:
+            with jax.set_mesh(where):
+                runs[name] = generate(m, prompts, greedy, max_batch=n, max_len=prompt_len + gen_len)
+        print(f"[tokens: {name}] {time.perf_counter() - t:.1f} s", flush=True)
+    partings, same, lp_diff = [], 0, 0.0
+    for i, (a, b) in enumerate(zip(runs["mesh"], runs["one_device"])):
+        common = next((t for t, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
+        same += common
+        lp_diff = max([lp_diff] + [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:common], b.logprobs)])
+        if common < len(a.tokens):
+            top = b.logprobs[common].top
+            partings.append({"sequence": i, "step": common, "margin": top[0][1] - top[1][1]})
+    return {"sequences": n, "prompt_len": prompt_len, "gen_len": gen_len, "seed": seed,
+            "equal_sequences": n - len(partings), "equal_tokens": same, "tokens": n * gen_len,
+            "partings": partings, "max_logprob_diff": lp_diff}
 
 
 def _done_rows(path: str, *, ep: int, **same) -> dict[int, dict]:
@@ -115,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--collective-mib", type=float, default=256,
                     help="buffer per device for timing the collectives alone (default 256 MiB)")
     ap.add_argument("--json", help="append one JSON row per sequence count (default WORKDIR/rows.jsonl)")
+    ap.add_argument("--check-sequences", type=int, default=0, metavar="N",
+                    help="also compare greedy tokens of N random prompts (a multiple of the mesh's devices) "
+                         "on the mesh and on one device, which must hold the whole checkpoint (default: off)")
+    ap.add_argument("--check-prompt-len", type=int, default=64)
+    ap.add_argument("--check-gen-len", type=int, default=32)
+    ap.add_argument("--check-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="activations of the token check (float32 loads the mesh's model again)")
     args = ap.parse_args(argv)
 
     import jax
@@ -138,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                                            *(("per-device", n) for n in args.per_device)) if v < 1]
         if bad or args.gen_len < 2:
             raise ValueError(f"must be positive (and --gen-len at least 2): {', '.join(bad) or args.gen_len}")
+        if args.check_sequences < 0 or args.check_sequences % ep:
+            raise ValueError(f"--check-sequences {args.check_sequences}: must be a multiple of the {ep} devices "
+                             "(every device holds as many sequences)")
+        if args.check_sequences and min(args.check_prompt_len, args.check_gen_len) < 1:
+            raise ValueError("--check-prompt-len and --check-gen-len must be positive")
         mesh = make_mesh(f"ep={ep}")
     except ValueError as e:
         print(f"bench_multigpu: error: {e}", file=sys.stderr)
@@ -194,6 +245,32 @@ def main(argv: list[str] | None = None) -> int:
         _append_row(out, row)
         rows.append(row)
 
+    check = None
+    if args.check_sequences:
+        check_path = os.path.join(args.workdir, "tokens.json")
+        settings = {"model": model_name, "ep": ep, "sequences": args.check_sequences, "dtype": args.check_dtype,
+                    "prompt_len": args.check_prompt_len, "gen_len": args.check_gen_len}
+        if os.path.exists(check_path):
+            with open(check_path) as f:
+                check = json.load(f)
+            if {k: check.get(k) for k in settings} != settings:
+                check = None
+        if check is None:
+            import gc
+
+            gc.collect()  # the benchmark's engines and their caches
+            dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.check_dtype]
+            on_mesh = model if dtype is jnp.bfloat16 else load_model(dst, dtype, weights="keep", mesh=mesh)
+            one = load_model(dst, dtype, weights="keep")
+            check = settings | check_tokens(on_mesh, mesh, one, args.check_sequences, args.check_prompt_len,
+                                            args.check_gen_len)
+            del one, on_mesh
+            with open(check_path + ".partial", "w") as f:
+                json.dump(check, f, indent=1)
+            os.replace(check_path + ".partial", check_path)
+        else:
+            print(f"[tokens] already in {check_path}, skipped", flush=True)
+
     print("\nper device | tok/s | ms/step | collectives ms/step | exchange GB/s (gathered / ragged) | peak / planned")
     for r in rows:
         coll = (r.get("decode_parts_s") or {}).get("collectives")
@@ -203,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{'n/a' if coll is None else f'{coll * 1e3:.2f}'} | "
               f"{'n/a' if not rate else f'{rate['gathered']:.1f} / {rate['ragged_mean']:.1f}'} | "
               f"{'n/a' if peak is None else fmt_bytes(peak)} / {fmt_bytes(r['planned_bytes_per_device'])}")
+    if check:
+        parts = ", ".join(f"#{p['sequence']} at step {p['step']} (one-device margin {p['margin']:.3g} nats)"
+                          for p in check["partings"])
+        print(f"greedy tokens, mesh against one device: {check['equal_sequences']}/{check['sequences']} sequences "
+              f"and {check['equal_tokens']}/{check['tokens']} tokens equal; chosen-token logprobs within "
+              f"{check['max_logprob_diff']:.3g} nats before any parting" + (f"; parted: {parts}" if parts else ""))
     return 0
 
 

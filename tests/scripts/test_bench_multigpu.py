@@ -49,9 +49,43 @@ def test_runs_and_resumes(tmp_path, capsys):
     last = (work / "rows.jsonl").read_text().splitlines()
     assert last[:-1] == lines and json.loads(last[-1])["gen_len"] == 4
 
+    # The token check: the mesh's greedy tokens are one device's (float32, as on the CPU mesh tests).
+    check = ["--check-sequences", "8", "--check-prompt-len", "5", "--check-gen-len", "6", "--check-dtype", "float32"]
+    assert multigpu.main([str(work), "--per-device", "1", *ARGS, *check]) == 0
+    out = capsys.readouterr().out
+    assert "8/8 sequences and 48/48 tokens equal" in out, out[-2000:]
+    got = json.loads((work / "tokens.json").read_text())
+    assert got["partings"] == [] and got["max_logprob_diff"] < 1e-3 and got["dtype"] == "float32"
+    assert multigpu.main([str(work), "--per-device", "1", *ARGS, *check]) == 0
+    assert "[tokens] already in" in capsys.readouterr().out
+
+
+def test_token_check_reports_where_sequences_part():
+    """Against other weights, sequences part: each parting is named with its step and the one-device
+    margin between the top two choices there (non-negative)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import dsjax
+    from dsjax.config import ModelConfig
+    from dsjax.parallel.mesh import make_mesh
+    from dsjax.parallel.shard import shard_model
+
+    cfg = ModelConfig.preset("tiny")
+    mesh = make_mesh("ep=8")
+    model = shard_model(dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32), mesh)
+    same = multigpu.check_tokens(model, mesh, dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32), 8, 4, 5)
+    assert same["equal_sequences"] == 8 and same["equal_tokens"] == same["tokens"] == 40
+    other = multigpu.check_tokens(model, mesh, dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(2), dtype=jnp.float32), 8, 4, 5)
+    assert other["equal_sequences"] == 8 - len(other["partings"]) < 8
+    assert other["equal_tokens"] == sum(p["step"] for p in other["partings"]) + 5 * other["equal_sequences"]
+    assert all(0 <= p["step"] < 5 and p["margin"] >= 0 for p in other["partings"])
+
 
 def test_refuses_a_mesh_that_is_not_every_device(tmp_path, capsys):
     assert multigpu.main([str(tmp_path / "x"), "--ep", "3", *ARGS]) == 2
     assert f"there are {jax.device_count()}" in capsys.readouterr().err
     assert multigpu.main([str(tmp_path / "x"), "--gen-len", "1", "--preset", "tiny"]) == 2
+    assert multigpu.main([str(tmp_path / "x"), "--check-sequences", "3", "--preset", "tiny"]) == 2
+    assert "--check-sequences 3: must be a multiple of the 8 devices" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # nothing written for bad input
