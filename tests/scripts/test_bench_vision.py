@@ -1,0 +1,34 @@
+"""`scripts/bench_vision.py` on the tiny encoder: a row per size and query block (blocked and dense agree),
+and bad sizes refused before anything runs."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_vision.py"
+spec = importlib.util.spec_from_file_location("bench_vision", SCRIPT)
+bench_vision = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_vision)
+
+
+def test_rows_per_size_and_block(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    args = ["--preset", "tiny-vision", "--sizes", "126x84", "546x252", "--query-blocks", "64", "0", "--repeats", "1",
+            "--dtype", "float32", "--json", str(out)]
+    assert bench_vision.main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["size"], r["query_block"]) for r in rows] == [("126x84", 64), ("126x84", 0), ("546x252", 64),
+                                                             ("546x252", 0)]
+    for r in rows:
+        assert r["padded_patches"] >= r["patches"] > 0 and r["ms"] > 0 and r["tflop"] > 0
+        assert r["max_rel_diff"] < 1e-5
+    assert rows[2]["image_tokens"] == 6 * (13 + 1) + 2  # 546x252: 6 rows of 13 cells
+    assert rows[2]["temp_bytes"] < rows[3]["temp_bytes"]  # blocks of 64 queries against all 702+ at once
+    assert capsys.readouterr().out.splitlines()[-1].startswith("546x252 | 702 (")
+
+
+def test_bad_sizes_are_refused(capsys):
+    assert bench_vision.main(["--preset", "tiny-vision", "--sizes", "100x84"]) == 2
+    assert "--sizes 100x84: must be WxH, both positive multiples of 14" in capsys.readouterr().err
+    assert bench_vision.main(["--preset", "tiny", "--sizes", "84x84"]) == 2
+    assert "has no image encoder" in capsys.readouterr().err
