@@ -76,6 +76,8 @@ def layer_bytes(cfg, ep: int, tokens_per_device: int, dtype=None) -> dict[str, f
     "ragged_mean" and "ragged_max" (over devices, on random top-k routing)."""
     import jax.numpy as jnp
 
+    if ep == 1:  # one device holds every expert: nothing is exchanged
+        return {"gathered": 0.0, "ragged_mean": 0.0, "ragged_max": 0.0}
     act = 2  # bf16 activations
     gathered = sum(collective_bytes(gathered_hlo(cfg, ep, tokens_per_device, dtype or jnp.bfloat16), ep).values())
     mean_rows, max_rows = ragged_rows(cfg, ep, tokens_per_device)
