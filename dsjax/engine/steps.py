@@ -18,7 +18,7 @@ from flax import nnx
 
 from dsjax.cache import Cache, init_cache
 from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingModes, sample
-from dsjax.layers.vision import cell_bucket, layout, pad_cells, patchify
+from dsjax.layers.vision import cell_bucket, fused_attention_fits, layout, pad_cells, patchify
 from dsjax.parallel.rules import slot_axes
 from dsjax.quant import KV_DTYPES
 
@@ -111,9 +111,17 @@ class Engine:
         rows, cols = vision.grid(w, h)
         a = pad_cells(patchify(pixels_hwc, vision), cell_bucket(rows * cols), vision)
         cells, begin, row_end, end = jax.device_get(_encode_cells(
-            self._static, self.params, a["patches"], a["row"], a["col"], a["valid"]))
+            self._static, self._fused_vision(), self.params, a["patches"], a["row"], a["col"], a["valid"]))
         return layout(np.asarray(cells, np.float32)[:rows * cols], rows, cols,
                       *(np.asarray(x, np.float32) for x in (begin, row_end, end)))
+
+    def _fused_vision(self) -> bool:
+        """Whether the encoder's attention goes through cuDNN's fused kernel: on NVIDIA GPUs, for heads it
+        takes. Chosen here and not by `platform_dependent`: tracing the cuDNN call needs cuDNN present."""
+        weight = self.model.vision.patch_embed.weight[...]
+        v = self.cfg.vision
+        return all(d.platform == "gpu" for d in weight.devices()) and fused_attention_fits(
+            weight.dtype, v.hidden_size // v.num_heads)
 
     @staticmethod
     def compilations() -> int:
@@ -278,7 +286,7 @@ def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, 
     return _constrain(cache), _for_host(sample(logits_nv, sampling, start_n + n_valid_n))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _encode_cells(graphdef, params, patches_nk, row_n, col_n, valid_n):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _encode_cells(graphdef, fused, params, patches_nk, row_n, col_n, valid_n):
     encoder = nnx.merge(_graph(graphdef), params).vision
-    return (encoder.cells(patches_nk, row_n, col_n, valid_n), *encoder.frame())
+    return (encoder.cells(patches_nk, row_n, col_n, valid_n, fused=fused), *encoder.frame())

@@ -105,11 +105,16 @@ class VisionBlock(nnx.Module):
         self.fc2 = Linear(vision.intermediate_size, d, rngs=rngs, dtype=dtype, bias=True)
 
     def __call__(self, x_nd: jax.Array, cos: jax.Array, sin: jax.Array, valid_n: jax.Array,
-                 query_block: int = QUERY_BLOCK) -> jax.Array:
+                 query_block: int = QUERY_BLOCK, n_valid: jax.Array | None = None) -> jax.Array:
+        """`n_valid` (valid patches first): attention through cuDNN's fused kernel (`attend_fused`)."""
         n, d = x_nd.shape
         q_nhk, k_nhk, v_nhk = jnp.split(self.qkv(self.attn_norm(x_nd)).reshape(n, 3 * self.heads, -1), 3, axis=1)
         q_nhk, k_nhk = apply_rope(q_nhk, cos[:, None], sin[:, None]), apply_rope(k_nhk, cos[:, None], sin[:, None])
-        x_nd = x_nd + self.out(attend(q_nhk, k_nhk, v_nhk, valid_n, query_block).reshape(n, d))
+        if n_valid is None:
+            attn_nhk = attend(q_nhk, k_nhk, v_nhk, valid_n, query_block)
+        else:
+            attn_nhk = attend_fused(q_nhk, k_nhk, v_nhk, n_valid)
+        x_nd = x_nd + self.out(attn_nhk.reshape(n, d))
         return x_nd + self.fc2(jax.nn.gelu(self.fc1(self.mlp_norm(x_nd)), approximate=True))
 
 
@@ -135,6 +140,22 @@ def attend(q_nhk: jax.Array, k_nhk: jax.Array, v_nhk: jax.Array, valid_n: jax.Ar
     return out_bqhk.reshape(blocks * query_block, *q_nhk.shape[1:])[:n]
 
 
+def fused_attention_fits(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's fused attention takes these heads: half-precision operands, at most 128 channels,
+    a multiple of 8."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim <= 128 \
+        and head_dim % 8 == 0
+
+
+def attend_fused(q_nhk: jax.Array, k_nhk: jax.Array, v_nhk: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """`attend` through cuDNN's fused (flash) attention, on NVIDIA GPUs only: no score matrix in memory.
+    The first `n_valid` patches must be the valid ones: cuDNN masks keys by a sequence length."""
+    out_1nhk = jax.nn.dot_product_attention(q_nhk[None], k_nhk[None], v_nhk[None],
+                                            key_value_seq_lengths=n_valid.reshape(1).astype(jnp.int32),
+                                            implementation="cudnn")
+    return out_1nhk[0]
+
+
 class VisionEncoder(nnx.Module):
     """Patches of one image → `rows·(cols + 1) + 2` embeddings of the decoder's width (module docstring)."""
 
@@ -155,18 +176,29 @@ class VisionEncoder(nnx.Module):
         self.image_end = nnx.Param((std * jax.random.normal(rngs.params(), (out,))).astype(dtype))
 
     def cells(self, patches_nk: jax.Array, row_n: jax.Array, col_n: jax.Array, valid_n: jax.Array,
-              query_block: int = QUERY_BLOCK) -> jax.Array:
+              query_block: int = QUERY_BLOCK, fused: bool = False) -> jax.Array:
         """`patchify`'s arrays (N patches, cell by cell) → one embedding per cell `[N / m², hidden]`. Whole
         padding cells (all patches invalid) may follow the image's: they do not change its cells.
-        `query_block`: queries per block of the attention (`attend`)."""
+        `query_block`: queries per block of the attention (`attend`); `fused`: cuDNN's fused attention
+        instead (NVIDIA GPUs; `fused_attention_fits`), the valid patches moved first for it."""
         v = self.vision
         if patches_nk.shape[0] % v.merge_size ** 2:
             raise ValueError(f"{patches_nk.shape[0]} patches do not make whole cells of {v.merge_size ** 2}")
         dtype = self.patch_embed.weight[...].dtype
+        if fused and not fused_attention_fits(dtype, v.hidden_size // v.num_heads):
+            raise ValueError(f"cuDNN's fused attention does not take {jnp.dtype(dtype).name} heads of "
+                             f"{v.hidden_size // v.num_heads} channels")
+        n_valid = None
+        if fused:  # every patch's position travels with it: the order is free
+            order_n = jnp.argsort(~valid_n, stable=True)
+            patches_nk, row_n, col_n, valid_n = (a[order_n] for a in (patches_nk, row_n, col_n, valid_n))
+            n_valid = jnp.sum(valid_n, dtype=jnp.int32)
         x_nd = self.patch_embed(patches_nk.astype(dtype))
         cos, sin = rope_2d(row_n, col_n, v.hidden_size // v.num_heads, v.rope_theta)
         for block in self.blocks:
-            x_nd = block(x_nd, cos, sin, valid_n, query_block)
+            x_nd = block(x_nd, cos, sin, valid_n, query_block, n_valid)
+        if fused:
+            x_nd, valid_n = (jnp.zeros_like(a).at[order_n].set(a) for a in (x_nd, valid_n))
         x_nd = jnp.where(valid_n[:, None], self.norm(x_nd), 0)  # padding patches add nothing to their cell
         cell_ce = x_nd.reshape(-1, v.merge_size ** 2 * x_nd.shape[-1])
         return self.merge_out(jax.nn.gelu(self.merge_in(cell_ce), approximate=True))

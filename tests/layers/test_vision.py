@@ -183,3 +183,55 @@ def test_attention_in_query_blocks_holds_a_blocks_scores_not_all():
 
     assert temp(n) >= heads * n * n * 4
     assert temp(512) < heads * n * n * 4 // 4
+
+
+def _xla_fused(q_nhk, k_nhk, v_nhk, n_valid):
+    """`attend_fused`'s contract (keys past `n_valid` masked) through XLA's attention, for CPUs."""
+    return jax.nn.dot_product_attention(q_nhk[None], k_nhk[None], v_nhk[None],
+                                        key_value_seq_lengths=n_valid.reshape(1), implementation="xla")[0]
+
+
+def test_fused_path_moves_valid_patches_first_and_back(encoder, monkeypatch):
+    """With the valid patches moved first and keys masked by a length (as cuDNN takes them), the cells
+    are the masked attention's, padding cells and partial cells included."""
+    import dsjax.layers.vision as vision
+
+    monkeypatch.setattr(vision, "attend_fused", _xla_fused)
+    monkeypatch.setattr(vision, "fused_attention_fits", lambda dtype, head_dim: True)
+    _, a = _image_inputs(6, 5, 7)  # partial cells on two edges
+    padded = {k: jnp.asarray(v) for k, v in vision.pad_cells({k: np.asarray(v) for k, v in a.items()}, 8,
+                                                             TINY_VISION).items()}
+    assert not bool(padded["valid"].all()) and bool(padded["valid"][-1]) is False
+    args = (padded["patches"], padded["row"], padded["col"], padded["valid"])
+    want = np.asarray(encoder.cells(*args))
+    np.testing.assert_allclose(np.asarray(encoder.cells(*args, fused=True)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_attention_is_refused_where_cudnn_would_not_take_it(encoder):
+    _, a = _image_inputs(7, 3, 3)
+    with pytest.raises(ValueError, match="cuDNN's fused attention does not take float32 heads of 16 channels"):
+        encoder.cells(a["patches"], a["row"], a["col"], a["valid"], fused=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_cudnn_attention_gives_the_blocked_attentions_cells():
+    """On an NVIDIA GPU: the bf16 encoder through cuDNN's fused attention against the blocked XLA one, for
+    an image with partial and padding cells; the engine picks the fused path there."""
+    from dsjax.engine.steps import Engine
+
+    vision = VisionConfig(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512)
+    cfg = ModelConfig.preset("tiny").replace(vision=vision)
+    enc = VisionEncoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    pixels = np.random.default_rng(0).integers(0, 256, (40 * 14, 31 * 14, 3), dtype=np.uint8)
+    from dsjax.layers.vision import cell_bucket, pad_cells
+
+    rows, cols = vision.grid(pixels.shape[1], pixels.shape[0])
+    a = pad_cells(patchify(pixels, vision), cell_bucket(rows * cols), vision)
+    args = [jnp.asarray(a[k]) for k in ("patches", "row", "col", "valid")]
+    blocked = np.asarray(jax.jit(lambda *x: enc.cells(*x, query_block=256))(*args), np.float32)
+    fused = np.asarray(jax.jit(lambda *x: enc.cells(*x, fused=True))(*args), np.float32)
+    assert np.abs(fused - blocked).max() <= 0.03 * np.abs(blocked).max()
+    import dsjax
+
+    model = dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    assert Engine(model, num_slots=1, max_len=8)._fused_vision()

@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import jax
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_vision.py"
 spec = importlib.util.spec_from_file_location("bench_vision", SCRIPT)
 bench_vision = importlib.util.module_from_spec(spec)
@@ -13,12 +15,12 @@ spec.loader.exec_module(bench_vision)
 
 def test_rows_per_size_and_block(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
-    args = ["--preset", "tiny-vision", "--sizes", "126x84", "546x252", "--query-blocks", "64", "0", "--repeats", "1",
+    args = ["--preset", "tiny-vision", "--sizes", "126x84", "546x252", "--attention", "64", "0", "--repeats", "1",
             "--dtype", "float32", "--json", str(out)]
     assert bench_vision.main(args) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["size"], r["query_block"]) for r in rows] == [("126x84", 64), ("126x84", 0), ("546x252", 64),
-                                                             ("546x252", 0)]
+    assert [(r["size"], r["attention"]) for r in rows] == [("126x84", "blocks of 64"), ("126x84", "dense"),
+                                                           ("546x252", "blocks of 64"), ("546x252", "dense")]
     for r in rows:
         assert r["padded_patches"] >= r["patches"] > 0 and r["ms"] > 0 and r["tflop"] > 0
         assert r["max_rel_diff"] < 1e-5
@@ -32,3 +34,8 @@ def test_bad_sizes_are_refused(capsys):
     assert "--sizes 100x84: must be WxH, both positive multiples of 14" in capsys.readouterr().err
     assert bench_vision.main(["--preset", "tiny", "--sizes", "84x84"]) == 2
     assert "has no image encoder" in capsys.readouterr().err
+    assert bench_vision.main(["--preset", "tiny-vision", "--attention", "flash"]) == 2
+    assert "--attention flash: must be 'fused' or a number" in capsys.readouterr().err
+    if jax.default_backend() != "gpu":
+        assert bench_vision.main(["--preset", "tiny-vision", "--attention", "fused"]) == 2
+        assert "cuDNN's fused attention needs an NVIDIA GPU" in capsys.readouterr().err
