@@ -13,7 +13,6 @@ import fcntl  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -66,7 +65,8 @@ def _shared_compilation_cache(tmp_path_factory):
         return
     import jax
 
-    folder = str(tmp_path_factory.getbasetemp().parent / "jax-cache")
+    base = tmp_path_factory.getbasetemp()  # under xdist, each worker's; their parent is this run's
+    folder = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = folder  # for the CLI and notebook processes the tests start
     jax.config.update("jax_compilation_cache_dir", folder)
     yield
