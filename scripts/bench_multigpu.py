@@ -27,6 +27,7 @@ the bandwidth they reached, measured peak against planned bytes per device. Runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -80,13 +81,10 @@ def check_tokens(model, mesh, one_device, n: int, prompt_len: int, gen_len: int,
     prompts = np.random.default_rng(seed).integers(0, model.cfg.vocab_size, (n, prompt_len)).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=gen_len, stop_token_ids=[], logprobs=2)
     runs = {}
-    for name, m, where in (("mesh", model, mesh), ("one_device", one_device, None)):
+    for name, m, where in (("mesh", model, jax.set_mesh(mesh)), ("one_device", one_device, contextlib.nullcontext())):
         t = time.perf_counter()
-        if where is None:
+        with where:
             runs[name] = generate(m, prompts, greedy, max_batch=n, max_len=prompt_len + gen_len)
-        else:
-            with jax.set_mesh(where):
-                runs[name] = generate(m, prompts, greedy, max_batch=n, max_len=prompt_len + gen_len)
         print(f"[tokens: {name}] {time.perf_counter() - t:.1f} s", flush=True)
     partings, same, lp_diff = [], 0, 0.0
     for i, (a, b) in enumerate(zip(runs["mesh"], runs["one_device"])):
@@ -259,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             import gc
 
             gc.collect()  # the benchmark's engines and their caches
-            dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.check_dtype]
+            dtype = getattr(jnp, args.check_dtype)
             on_mesh = model if dtype is jnp.bfloat16 else load_model(dst, dtype, weights="keep", mesh=mesh)
             one = load_model(dst, dtype, weights="keep")
             check = settings | check_tokens(on_mesh, mesh, one, args.check_sequences, args.check_prompt_len,

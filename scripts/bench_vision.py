@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes.append((int(w), int(h)))
         if args.repeats < 1:
             raise ValueError("--repeats must be positive")
-        dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+        dtype = getattr(jnp, args.dtype)
         fits = jax.default_backend() == "gpu" and fused_attention_fits(dtype, vision.hidden_size // vision.num_heads)
         kinds = args.attention or (["fused"] if fits else []) + ["1024", "0"]
         for kind in kinds:
