@@ -7,8 +7,9 @@ cell bucket, one image per call), with the attention's queries in blocks and den
 Sizes are the recipe's preprocessed W×H (multiples of the patch size; the defaults are what
 deepseek-recipe 0.2.0 makes of 224×224, 1024×768, 1920×1080 and 4000×3000 pictures). `--attention`:
 `fused` is cuDNN's fused attention (NVIDIA GPUs, what the engine takes there), a number the queries per
-block of the XLA attention, 0 the dense one (default: fused where it runs, then 1024 and 0). Weights are random (the cost does not depend on them). Per row: ms per
-image (best of the repeats, after a warm-up call), the encoder's matmul FLOPs and the rate they ran at,
+block of the XLA attention, 0 the dense one (default: fused where it runs, then 1024 and 0). Weights are
+random (the cost does not depend on them). Per row: ms per image (best of the repeats, after a warm-up
+call), the encoder's matmul FLOPs and the rate they ran at,
 XLA's temporaries for the compiled program, and the largest difference of its cell embeddings from the
 first attention's (relative to their largest value). The last lines are a table.
 """
