@@ -40,8 +40,11 @@ def _bad(line_no, custom_id, code, message) -> InputLine:
 
 
 def check_readable(path: str) -> None:
+    if not os.path.exists(path):
+        raise JobError(f"input {path!r} does not exist")
     if not os.path.isfile(path):
-        raise JobError(f"input {path!r} does not exist or is not a file")
+        raise JobError(f"input {path!r} is not a regular file (a folder, pipe or device): the job reads its "
+                       "input more than once (to count, fingerprint and resume it), so it takes files only")
     if not os.access(path, os.R_OK):
         raise JobError(f"input {path!r} is not readable")
 
@@ -49,7 +52,7 @@ def check_readable(path: str) -> None:
 def read_lines(path: str) -> Iterator[InputLine]:
     """Every non-blank line of the input, parsed and validated, in file order."""
     check_readable(path)
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[int, int]] = {}  # custom_id -> (its first line, lines so far)
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -57,28 +60,35 @@ def read_lines(path: str) -> Iterator[InputLine]:
             yield _parse(line_no, raw, seen)
 
 
-def _parse(line_no: int, raw: bytes, seen: dict[str, int]) -> InputLine:
+def clip(text: str, limit: int = 300) -> str:
+    """`text` cut to `limit` characters for a message (a 1 MB custom_id must not make a 1 MB error)."""
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text):,} characters)"
+
+
+def _parse(line_no: int, raw: bytes, seen: dict[str, tuple[int, int]]) -> InputLine:
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _bad(line_no, None, "invalid_json", f"not valid JSON ({e})")
+    except RecursionError:
+        return _bad(line_no, None, "invalid_json", "JSON nested too deeply to read")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
+        return _bad(line_no, None, "invalid_json", f"not valid JSON ({clip(str(e))})")
     if not isinstance(obj, dict):
         return _bad(line_no, None, "invalid_request", "a request line must be a JSON object")
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         return _bad(line_no, None, "missing_custom_id", "'custom_id' must be a non-empty string")
-    occurrence = seen.get(cid, 0) + 1
-    seen[cid] = occurrence
-    if occurrence > 1:
+    first, count = seen.get(cid, (line_no, 0))
+    seen[cid] = (first, count + 1)
+    if count:
         return dataclasses.replace(_bad(line_no, cid, "duplicate_custom_id",
-                                        f"custom_id {cid!r} already used by an earlier line (line {line_no})"),
-                                   occurrence=occurrence)
+                                        f"custom_id {clip(cid)!r} is already used by line {first}"),
+                                   occurrence=count + 1)
     method = obj.get("method", "POST")
     if method != "POST":
-        return _bad(line_no, cid, "invalid_method", f"method must be 'POST', got {method!r}")
+        return _bad(line_no, cid, "invalid_method", f"method must be 'POST', got {clip(repr(method))}")
     url = obj.get("url")
     if url not in ENDPOINTS:
-        return _bad(line_no, cid, "unsupported_url", f"url must be one of {list(ENDPOINTS)}, got {url!r}")
+        return _bad(line_no, cid, "unsupported_url", f"url must be one of {list(ENDPOINTS)}, got {clip(repr(url))}")
     body = obj.get("body")
     if not isinstance(body, dict):
         return _bad(line_no, cid, "invalid_body", "'body' must be a JSON object")
