@@ -1,0 +1,138 @@
+"""Which request options a batch job carries out: every option either works or gets an error record that
+names it, never silently ignored.
+
+deepseek-recipe reads many options that only a hosted API acts on, and accepts sampling options that
+dsjax's sampler does not have (penalties, logit bias, top-k); structured outputs (JSON schemas, a
+required tool call) need constrained decoding, which dsjax does not do yet. A request that asks for
+any of them would be answered as if it had not, so it is refused here, before conversion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from dsjax.batch.jobfile import ErrorInfo
+
+_ANY: Callable[[Any], str | None] = lambda v: None
+
+
+def _only(*allowed: Any, why: str) -> Callable[[Any], str | None]:
+    """A check that accepts the values that mean "off" (`allowed`) and explains anything else."""
+    def check(value):
+        if any(value == a and type(value) is type(a) for a in allowed):
+            return None
+        return why
+    return check
+
+
+def _format(value: Any, where: str) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in (None, "text"):
+        return None
+    return (f"{where} of type {kind!r} needs structured outputs (constrained decoding), which dsjax does not "
+            "do yet: the answer would not be guaranteed to match; drop it")
+
+
+def _text(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None  # the recipe reports the wrong type
+    if (why := _format(value.get("format"), "text.format")) is not None:
+        return why
+    if value.get("verbosity") not in (None, "medium"):
+        return "text.verbosity is not supported: the model has no verbosity control; drop it"
+    unknown = sorted(set(value) - {"format", "verbosity"})
+    return f"text.{unknown[0]} is not supported" if unknown else None
+
+
+def _include(value: Any) -> str | None:
+    known = {"reasoning.encrypted_content", "message.output_text.logprobs"}
+    if isinstance(value, list):
+        bad = [v for v in value if v not in known]
+        if bad:
+            return f"include {bad[0]!r} is not supported (dsjax can include {sorted(known)})"
+    return None
+
+
+def _messages_tool_choice(value: Any) -> str | None:
+    if isinstance(value, dict) and value.get("disable_parallel_tool_use") is True:
+        return ("tool_choice.disable_parallel_tool_use is not supported: dsjax cannot limit the model to one "
+                "tool call; drop it")
+    return None
+
+
+_PENALTY = "dsjax's sampler has no {} penalty; drop it or set it to 0"
+_STREAM = _only(False, why="a batch job writes whole responses, not streams; drop it or set it to false")
+_PARALLEL = _only(True, why="dsjax cannot limit the model to one tool call; drop it or set it to true")
+_NO_STATE = "a batch job keeps no stored responses, conversations or prompts; send the whole input instead"
+# Bookkeeping of a hosted API: nothing about the answer depends on them.
+_BOOKKEEPING = {k: _ANY for k in ("user", "metadata", "store", "service_tier", "safety_identifier",
+                                  "prompt_cache_key", "prompt_cache_retention")}
+
+OPTIONS: dict[str, dict[str, Callable[[Any], str | None]]] = {
+    "/v1/chat/completions": {
+        **_BOOKKEEPING,
+        **{k: _ANY for k in ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                             "seed", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "thinking",
+                             "reasoning_effort", "n", "stream_options")},
+        "stream": _STREAM,
+        "parallel_tool_calls": _PARALLEL,
+        "response_format": lambda v: _format(v, "response_format"),
+        "frequency_penalty": _only(0, 0.0, why=_PENALTY.format("frequency")),
+        "presence_penalty": _only(0, 0.0, why=_PENALTY.format("presence")),
+        "logit_bias": _only({}, why="dsjax's sampler takes no logit bias; drop it"),
+    },
+    "/v1/responses": {
+        **_BOOKKEEPING,
+        **{k: _ANY for k in ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+                             "tools", "tool_choice", "reasoning", "top_logprobs")},
+        "stream": _STREAM,
+        "parallel_tool_calls": _PARALLEL,
+        "text": _text,
+        "include": _include,
+        "truncation": _only("disabled", why="dsjax does not drop input to make it fit; drop it or set 'disabled'"),
+        "background": _only(False, why="a batch job runs every request; drop it or set it to false"),
+        "max_tool_calls": lambda v: "dsjax cannot limit the number of tool calls; drop it",
+        "previous_response_id": lambda v: _NO_STATE,
+        "conversation": lambda v: _NO_STATE,
+        "prompt": lambda v: _NO_STATE,
+    },
+    "/v1/messages": {
+        **{k: _ANY for k in ("model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
+                             "thinking", "tools", "metadata", "service_tier")},
+        "stream": _STREAM,
+        "tool_choice": _messages_tool_choice,
+        "top_k": lambda v: "dsjax's sampler has no top-k; drop it (top_p is supported)",
+    },
+}
+
+
+def unsupported_option(url: str, body: dict[str, Any]) -> ErrorInfo | None:
+    """An `unsupported_parameter` error naming the first option of `body` that dsjax would not carry out
+    (JSON null counts as absent), or None."""
+    table = OPTIONS[url]
+    for key, value in body.items():
+        if value is None:
+            continue
+        check = table.get(key)
+        if check is None:
+            return ErrorInfo("unsupported_parameter", f"the option {_name(key)} is not supported by dsjax for {url}; "
+                                                      "remove it")
+        why = check(value)
+        if why is not None:
+            return ErrorInfo("unsupported_parameter", f"the option {_name(key)} is not supported: {why}")
+    return None
+
+
+def unenforced_constraint(kind: str | None) -> ErrorInfo | None:
+    """An error for an output constraint the recipe found that only constrained decoding could keep (a
+    required tool call, a JSON schema, a regex), or None (no constraint, or optional tool calls)."""
+    if kind in (None, "tool_call"):
+        return None
+    what = {"tool_call_required": "a tool call that must be made (tool_choice 'required' or a named tool)",
+            "json": "JSON output", "regex": "output matching a pattern"}.get(kind, repr(kind))
+    return ErrorInfo("unsupported_parameter", f"the request asks for {what}, which needs structured outputs "
+                                              "(constrained decoding); dsjax does not do that yet")
+
+
+def _name(key: str) -> str:
+    return repr(key if len(key) <= 100 else key[:100] + "…")
