@@ -119,7 +119,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("--demo runs on one process: drop --coordinator, --num-processes, --process-id and "
                          "--distributed (and unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
     distributed.initialize_from(args)  # before anything starts a jax backend
-    from dsjax.batch.job import JobConfig, run_job, summary_path
+    from dsjax.batch.job import JobConfig, Terminated, format_summary, run_job, summary_path
 
     if args.demo:
         if args.model or args.input:
@@ -135,19 +135,20 @@ def _generate(args: argparse.Namespace) -> int:
     cfg = JobConfig(model=args.model, input=args.input, output=args.output, max_batch=args.max_batch,
                     max_len=args.max_len, chunk_size=args.chunk_size, dtype=args.dtype, weights=args.weights,
                     kv_dtype=args.kv_dtype, seed=args.seed, mesh=args.mesh,
-                    allow_remote_images=args.allow_remote_images, progress=not args.quiet)
+                    allow_remote_images=args.allow_remote_images, served_model_names=tuple(args.served_model_name),
+                    prompt_format=args.prompt_format,
+                    image_root=args.image_root, allow_changed_input=args.allow_changed_input,
+                    progress=not args.quiet)
     try:
         s = run_job(cfg)
-    except KeyboardInterrupt:
-        print(f"interrupted: finished records are in {args.output}; re-run the same command to resume",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        term = isinstance(e, Terminated)
+        print(f"{'stopped by SIGTERM' if term else 'interrupted'}: finished records are in {args.output}; "
+              "re-run the same command to resume", file=sys.stderr)
+        return 143 if term else 130
     if distributed.process_index() != 0:  # process 0 writes the output and reports
         return 0
-    print(f"{s['requests_ok']} ok, {s['requests_failed']} failed, {s['requests_already_done']} already done; "
-          f"{s['prompt_tokens']} prompt tokens ({s['prompt_tokens_per_second']:.1f}/s), "
-          f"{s['generated_tokens']} generated ({s['generated_tokens_per_second']:.1f}/s) in "
-          f"{s['wall_seconds']:.1f} s; summary: {summary_path(args.output)}")
+    print(format_summary(s) + f"; summary: {summary_path(args.output)}")
     return 0
 
 
@@ -244,13 +245,35 @@ def _ensure_cpu_devices(n: int) -> None:
             pass
 
 
+def _int_at_least(least: int, below: int | None = None):
+    """An argparse type: an integer >= `least` (and < `below`), so a bad value fails before any work."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < least or (below is not None and value >= below):
+            bound = f"in [{least}, {below})" if below is not None else f"at least {least}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    return parse
+
+
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--input", help="requests, JSONL in the OpenAI Batch format")
     p.add_argument("--output", help="results JSONL (appended; re-running resumes it)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences in flight (default 8)")
-    p.add_argument("--max-len", type=int, default=4096, help="prompt + generated tokens per sequence (4096)")
-    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", default=(),
+                   help="the model names requests may give (default: the model folder's name and the recipe's "
+                        "name for the checkpoint's version, e.g. DeepSeek-V4.1-Flash); requests naming another "
+                        "get a model_not_found error record. The prompt format comes from the checkpoint")
+    p.add_argument("--prompt-format", choices=["v4", "v4.1"],
+                   help="the prompt encoding (default: the checkpoint's: v4.1 for a model that reads images, else "
+                        "v4); for a checkpoint trained on the other format than its config says")
+    p.add_argument("--max-batch", type=_int_at_least(1), default=8, help="sequences in flight (default 8)")
+    p.add_argument("--max-len", type=_int_at_least(2), default=4096,
+                   help="prompt + generated tokens per sequence (4096)")
+    p.add_argument("--chunk-size", type=_int_at_least(1), default=256, help="prefill chunk in tokens (256)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="activations and float weights (bfloat16)")
     p.add_argument("--weights", default="keep", choices=["keep", "bf16"],
@@ -262,12 +285,18 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", help="run sharded over the visible devices (of every process, in a multi-process "
                    "run), e.g. 'ep=8' or 'dp=2,ep=4': routed experts split over ep (expert parallelism); sizes "
                    "must multiply to the device count")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=_int_at_least(0, 2 ** 63), default=0,
                    help="job seed: requests that set no seed draw from it and their custom_id")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch image URLs of requests (public addresses only: private, loopback and link-local "
                         "ones are refused); without it a request with a remote image URL gets an error record. "
                         "Data URLs and local files (paths relative to the input file) need no flag")
+    p.add_argument("--image-root", metavar="FOLDER",
+                   help="read local image files from this folder (default: the input file's folder); paths that "
+                        "lead outside it, through '..', absolute paths or symbolic links, are refused")
+    p.add_argument("--allow-changed-input", action="store_true",
+                   help="resume an output although the input changed since it was started (lines whose "
+                        "custom_id already has a record are skipped); without it such a resume is refused")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     distributed.add_distributed_args(p)
 

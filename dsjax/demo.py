@@ -14,7 +14,7 @@ import tempfile
 import textwrap
 from typing import Any
 
-from dsjax.batch.job import JobConfig, run_job
+from dsjax.batch.job import JobConfig, format_summary, run_job
 from dsjax.embedded import MODEL_DIR, SAMPLE_REQUESTS
 
 # Every bundled request fits: prompts of at most ~210 tokens (the image request) plus max_tokens of 160.
@@ -75,9 +75,6 @@ def run_demo(output: str | None = None, show: int = 3, progress: bool = True) ->
             print("thinking: " + textwrap.shorten(reasoning, 110))
         lines = answer.splitlines()
         print("answer:   " + "\n          ".join(lines[:12]) + ("\n          …" if len(lines) > 12 else ""))
-    print(f"\n{summary['requests_ok']} ok, {summary['requests_failed']} failed; "
-          f"{summary['prompt_tokens']} prompt tokens, {summary['generated_tokens']} generated "
-          f"({summary['generated_tokens_per_second']:.1f} tok/s) in {summary['wall_seconds']:.1f} s, "
-          f"{summary['engine_step_seconds']:.1f} s of it in the engine steps (compilation included)")
+    print("\n" + format_summary(summary))
     print(f"results: {output}")
     return summary

@@ -18,6 +18,8 @@ import hashlib
 import itertools
 import json
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -28,8 +30,10 @@ from tqdm import tqdm
 
 from dsjax.batch.images import ImageResolver
 from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
-from dsjax.batch.recipe import Prepared, Recipe
+from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
 from dsjax.batch.results import ResultsFile, error_record, success_record
+from dsjax.config import ModelConfig
+from dsjax.engine.compiles import CompileClock
 from dsjax.engine.generate import request_seed
 from dsjax.engine.scheduler import Request, StepTimer, run
 from dsjax.engine.steps import Engine, Spliced
@@ -55,6 +59,11 @@ class JobConfig:
     mesh: str | None = None  # e.g. "dp=2,ep=4": routed experts split over ep (dsjax.parallel)
     window: int = 256  # requests read ahead and ordered longest prompt first
     allow_remote_images: bool = False  # fetch remote image URLs (public addresses only); off: refused
+    # The model names requests may give; empty: the checkpoint folder's name and the recipe's name for it.
+    served_model_names: tuple[str, ...] = ()
+    prompt_format: str | None = None  # "v4" or "v4.1"; None: the checkpoint's (batch.recipe.prompt_format)
+    image_root: str | None = None  # where local image files may be read from; None: the input's folder
+    allow_changed_input: bool = False  # resume an output that was started from a different input
     progress: bool = True
 
 
@@ -67,26 +76,58 @@ def _count_lines(path: str) -> int:
         return sum(1 for raw in f if raw.strip())
 
 
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What the checks before any work found: the model's config, the recipe, the mesh."""
+
+    model_cfg: ModelConfig
+    recipe: Recipe
+    context: int
+    mesh: Any
+
+
+class Terminated(KeyboardInterrupt):
+    """The job was stopped by SIGTERM (how Slurm, Docker and Kubernetes stop jobs), handled as Ctrl-C is."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_job(cfg: JobConfig) -> dict[str, Any]:
     """Run (or resume) the job; returns the summary, also written to `summary_path(cfg.output)`.
 
-    Raises JobError before any work when the input, output or model cannot be used; per-request
-    problems become error records. Ctrl-C stops after writing what is finished (KeyboardInterrupt
-    propagates once the summary is written). In a multi-process run every process calls this with the
-    same settings; only process 0 writes the output and the summary (the others return it).
+    Raises JobError before any work when the input, output, model folder or settings cannot be used;
+    per-request problems become error records. Ctrl-C or SIGTERM stops after writing what is finished
+    (KeyboardInterrupt propagates once the summary is written; its `signal` says which). In a
+    multi-process run every process calls this with the same settings; only process 0 writes the
+    output and the summary (the others return it).
     """
     from dsjax.checkpoint.load import load_model
 
     main = distributed.process_index() == 0  # the process that reads and writes the output
-    tokenizer = os.path.join(cfg.model, "tokenizer.json")
     results: ResultsFile | _NoOutput = _NoOutput()
-    mesh = error = None
+    setup = error = None
+    t_start = time.perf_counter()
     try:
-        mesh = _check(cfg, tokenizer)
+        setup = _check(cfg)
         if main:
-            results = ResultsFile(cfg.output)
+            results = ResultsFile(cfg.output, cfg.input, allow_changed_input=cfg.allow_changed_input)
     except JobError as e:
         error = e
+    tokenizer = os.path.join(cfg.model, "tokenizer.json")
     if distributed.process_count() == 1:
         if error:
             raise error
@@ -98,67 +139,109 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         except BaseException:
             results.close()
             raise
-    t_start = time.perf_counter()
     stats = {"ok": 0, "failed": 0, "skipped_done": 0, "prompt_tokens": 0, "generated_tokens": 0}
     timer = StepTimer()
-    interrupted = False
-    try:
-        model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights, mesh=mesh)
-        context = min(cfg.max_len, model.cfg.max_position_embeddings)
-        recipe = Recipe(tokenizer, context, model.cfg.eos_token_id, vision=model.cfg.vision,
-                        images=ImageResolver(allow_remote=cfg.allow_remote_images),
-                        image_root=os.path.dirname(os.path.abspath(cfg.input)))
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            engine = Engine(model, num_slots=cfg.max_batch, max_len=context,
-                            chunk_size=min(cfg.chunk_size, context), kv_dtype=cfg.kv_dtype)
-            total = _count_lines(cfg.input)
-            bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
-            t_loop = time.perf_counter()
-            try:
-                _run(cfg, engine, recipe, results, is_done, stats, timer, bar, t_start)
-            finally:
-                bar.close()
-                stats["loop_seconds"] = time.perf_counter() - t_loop
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        results.close()
+    phase = {"load": 0.0, "loop": 0.0, "loop_compile": 0.0}
+    stopped_by = None
+    with CompileClock() as clock, _sigterm_stops():
+        try:
+            t = time.perf_counter()
+            model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights, mesh=setup.mesh)
+            phase["load"] = time.perf_counter() - t
+            with jax.set_mesh(setup.mesh) if setup.mesh is not None else contextlib.nullcontext():
+                engine = Engine(model, num_slots=cfg.max_batch, max_len=setup.context,
+                                chunk_size=min(cfg.chunk_size, setup.context), kv_dtype=cfg.kv_dtype)
+                total = _count_lines(cfg.input)
+                bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
+                t_loop, wall_loop = time.perf_counter(), time.time()
+                try:
+                    def working() -> float:  # seconds of the loop so far, less jax's compiling in it
+                        return time.perf_counter() - t_loop - clock.seconds(since=wall_loop)
+
+                    _run(cfg, engine, setup.recipe, results, is_done, stats, timer, bar, working)
+                finally:
+                    bar.close()
+                    phase["loop"] = time.perf_counter() - t_loop
+                    phase["loop_compile"] = clock.seconds(since=wall_loop)
+        except KeyboardInterrupt as e:
+            stopped_by = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        finally:
+            results.close()
     wall = time.perf_counter() - t_start
+    generation = max(phase["loop"] - phase["loop_compile"], 0.0)
     summary = {
         "requests_ok": stats["ok"], "requests_failed": stats["failed"],
         "requests_already_done": stats["skipped_done"],
         "prompt_tokens": stats["prompt_tokens"], "generated_tokens": stats["generated_tokens"],
         "wall_seconds": round(wall, 3),
-        "prompt_tokens_per_second": round(stats["prompt_tokens"] / wall, 2) if wall else 0.0,
-        "generated_tokens_per_second": round(stats["generated_tokens"] / wall, 2) if wall else 0.0,
+        # Start-up apart from work: loading the weights, jax preparing programs (in the loop too, where
+        # a step first runs), and the generation loop without that.
+        "load_seconds": round(phase["load"], 3),
+        "compile_seconds": round(clock.seconds(), 3),
+        "programs_compiled": clock.programs,
+        "programs_from_cache": clock.cache_hits,
+        "generation_seconds": round(generation, 3),
+        "prompt_tokens_per_second": round(stats["prompt_tokens"] / generation, 2) if generation else 0.0,
+        "generated_tokens_per_second": round(stats["generated_tokens"] / generation, 2) if generation else 0.0,
         "engine_step_seconds": round(timer.seconds, 3),
         # Time in the generation loop spent outside the jitted steps: recipe, scheduling, output.
-        "host_overhead_ms_per_generated_token": round(1e3 * (stats.get("loop_seconds", 0.0) - timer.seconds)
-                                                      / max(stats["generated_tokens"], 1), 3),
-        "interrupted": interrupted,
+        "host_overhead_ms_per_generated_token": round(1e3 * max(phase["loop"] - phase["loop_compile"] - timer.seconds,
+                                                                0.0) / max(stats["generated_tokens"], 1), 3),
+        "interrupted": stopped_by is not None,
+        "signal": stopped_by,
         "repaired_torn_bytes": results.repaired_bytes,
+        "input_changed": getattr(results, "input_changed", False),
+        "served_model_names": list(setup.recipe.served_names),
+        "prompt_format": setup.recipe.prompt_format,
         "config": dataclasses.asdict(cfg),
     }
     if distributed.process_count() > 1:
         summary["processes"] = distributed.process_count()
     if main:
-        with open(summary_path(cfg.output), "w") as f:
-            json.dump(summary, f, indent=1)
-    if interrupted:
+        _write_summary(summary_path(cfg.output), summary)
+    if stopped_by == "SIGTERM":
+        raise Terminated()
+    if stopped_by:
         raise KeyboardInterrupt
     return summary
 
 
-def _check(cfg: JobConfig, tokenizer: str):
-    """Raise JobError if the job cannot run; its mesh (or None)."""
+def format_summary(s: dict[str, Any]) -> str:
+    """The job's closing line: counts, then start-up apart from the generation loop's throughput."""
+    cached = f", {s['programs_from_cache']} from the cache" if s["programs_from_cache"] else ""
+    return (f"{s['requests_ok']} ok, {s['requests_failed']} failed, {s['requests_already_done']} already done; "
+            f"{s['prompt_tokens']:,} prompt and {s['generated_tokens']:,} generated tokens in {s['wall_seconds']:.1f} s: "
+            f"load {s['load_seconds']:.1f} s, compile {s['compile_seconds']:.1f} s ({s['programs_compiled']} "
+            f"programs{cached}), generation {s['generation_seconds']:.1f} s at "
+            f"{s['prompt_tokens_per_second']:,.1f} prompt and {s['generated_tokens_per_second']:,.1f} generated tok/s")
+
+
+def _write_summary(path: str, summary: dict[str, Any]) -> None:
+    """Write the summary whole or not at all (a stop mid-write leaves the previous one)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _check(cfg: JobConfig) -> _Setup:
+    """Raise JobError if the job cannot run: every setting, the input, the paths it will write, the model's
+    config and tokenizer, all before any weight is read."""
     if cfg.dtype not in _DTYPES:
         raise JobError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
     if cfg.weights not in ("keep", "bf16"):
         raise JobError(f"weights must be 'keep' or 'bf16', got {cfg.weights!r}")
     if cfg.kv_dtype not in (None, *KV_DTYPES):
         raise JobError(f"kv_dtype must be one of {KV_DTYPES}, got {cfg.kv_dtype!r}")
-    if cfg.max_batch < 1 or cfg.max_len < 2 or cfg.chunk_size < 1:
-        raise JobError("max_batch and chunk_size must be >= 1 and max_len >= 2")
+    for name, value, least in (("max_batch", cfg.max_batch, 1), ("max_len", cfg.max_len, 2),
+                               ("chunk_size", cfg.chunk_size, 1), ("window", cfg.window, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise JobError(f"{name} must be an integer of at least {least}, got {value!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2 ** 63:
+        raise JobError(f"seed must be an integer in [0, 2^63), got {cfg.seed!r}")
+    names = cfg.served_model_names
+    if isinstance(names, str) or any(not isinstance(n, str) or not n.strip() for n in names):
+        raise JobError(f"served model names must be non-empty strings, got {names!r}")
     mesh = None
     if cfg.mesh:
         from dsjax.parallel.mesh import make_mesh
@@ -172,9 +255,56 @@ def _check(cfg: JobConfig, tokenizer: str):
                        f"{jax.device_count()} devices (e.g. 'ep={jax.device_count()}'): without one each "
                        "process would run the whole job alone")
     check_readable(cfg.input)
+    if cfg.image_root is not None and not os.path.isdir(cfg.image_root):
+        raise JobError(f"image root {cfg.image_root!r} is not a folder")
+    out_dir = os.path.dirname(os.path.abspath(cfg.output))
+    if not os.path.isdir(out_dir):
+        raise JobError(f"output folder {out_dir!r} does not exist")
+    _check_writable(summary_path(cfg.output), cfg.input, "summary")
+    if not os.path.isdir(cfg.model):
+        raise JobError(f"model folder {cfg.model!r} does not exist or is not a folder")
+    try:
+        model_cfg = ModelConfig.from_hf(cfg.model)
+    except FileNotFoundError:
+        raise JobError(f"{cfg.model!r} has no config.json: a model folder holds config.json, the weights and "
+                       "tokenizer.json") from None
+    except (ValueError, OSError) as e:
+        raise JobError(str(e)) from None
+    tokenizer = os.path.join(cfg.model, "tokenizer.json")
     if not os.path.isfile(tokenizer):
         raise JobError(f"{cfg.model!r} has no tokenizer.json: the job encodes prompts with the model's tokenizer")
-    return mesh
+    context = min(cfg.max_len, model_cfg.max_position_embeddings)
+    fmt = cfg.prompt_format or prompt_format(model_cfg)
+    if fmt not in PROMPT_FORMATS:
+        raise JobError(f"prompt_format must be one of {sorted(PROMPT_FORMATS)} (or None: the checkpoint's), got {fmt!r}")
+    if model_cfg.vision is not None and fmt != "v4.1":
+        raise JobError("a model that reads images needs the v4.1 prompt format (V4's renders no images)")
+    image_root = cfg.image_root or os.path.dirname(os.path.abspath(cfg.input))
+    try:
+        recipe = Recipe(tokenizer, context, model_cfg.eos_token_id, prompt_format=fmt,
+                        served_names=names or default_served_names(cfg.model, fmt), vision=model_cfg.vision,
+                        images=ImageResolver(allow_remote=cfg.allow_remote_images), image_root=image_root)
+    except ValueError as e:
+        raise JobError(str(e)) from None
+    return _Setup(model_cfg, recipe, context, mesh)
+
+
+def _check_writable(path: str, input_path: str, what: str) -> None:
+    """That `path` can be written at the end of the job, found out now (creating nothing that stays)."""
+    if os.path.exists(path) and os.path.exists(input_path) and os.path.samefile(path, input_path):
+        raise JobError(f"the {what} {path!r} would overwrite the input: choose another --output")
+    try:
+        if os.path.exists(path):
+            if not os.path.isfile(path):
+                raise JobError(f"the {what} {path!r} is not a regular file")
+            with open(path, "r+b"):
+                pass
+        else:
+            with open(path, "xb"):
+                pass
+            os.unlink(path)
+    except OSError as e:
+        raise JobError(f"cannot write the {what} {path!r}: {e.strerror or e}") from None
 
 
 class _NoOutput:
@@ -203,7 +333,7 @@ def _settings_digest(cfg: JobConfig, tokenizer: str) -> bytes:
     tokenizer."""
     h = hashlib.sha256()
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "input", "output",
-                                                                             "progress")}
+                                                                             "image_root", "progress")}
     h.update(json.dumps(settings, sort_keys=True).encode())
     for path in (os.path.join(cfg.model, "config.json"), tokenizer):
         h.update(_sha256(path) if os.path.isfile(path) else b"-" * 32)
@@ -251,7 +381,7 @@ def _done_on_process_0(cfg: JobConfig, results) -> Callable[[InputLine], bool]:
     return lambda line: line.line_no in done_lines
 
 
-def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, t_start) -> None:
+def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Callable[[], float]) -> None:
     preps: dict[int, Prepared] = {}  # requests handed to the scheduler and not finished yet
     streams = {}
     next_index = itertools.count()
@@ -294,7 +424,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, t_start) -> N
             preps[index] = prep
             seed = prep.sampling.seed
             if seed is None:  # stable per custom_id: a request's draw does not depend on where it sits
-                digest = hashlib.sha256(prep.line.custom_id.encode()).digest()
+                digest = hashlib.sha256(prep.line.custom_id.encode("utf-8", "surrogatepass")).digest()
                 seed = request_seed(cfg.seed, int.from_bytes(digest[:8]))
             yield Request(index, tuple(prep.prompt), prep.sampling, seed, frozenset(prep.sampling.stop_token_ids),
                           spliced)
@@ -324,7 +454,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, t_start) -> N
             stats["ok"] += 1
             del streams[ev.index], preps[ev.index]
             bar.update(1)
-            elapsed = time.perf_counter() - t_start
+            elapsed = max(working(), 1e-9)
             bar.set_postfix(prompt_tok_s=f"{stats['prompt_tokens'] / elapsed:.0f}",
                             gen_tok_s=f"{stats['generated_tokens'] / elapsed:.0f}", refresh=False)
 

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 import deepseek_recipe as dr
 
-from dsjax.batch.images import ImageRefused, ImageResolver, LocalImageError, inline_local_images
-from dsjax.batch.jobfile import ErrorInfo, InputLine
-from dsjax.config import VisionConfig
+from dsjax.batch.bodies import complete_body
+from dsjax.batch.images import ImageRefused, ImageResolver, LocalImageError, count_images, inline_local_images
+from dsjax.batch.jobfile import ErrorInfo, InputLine, clip
+from dsjax.batch.options import unenforced_constraint, unsupported_option
+from dsjax.config import ModelConfig, VisionConfig
 from dsjax.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 _ENDPOINTS = {
@@ -55,6 +58,7 @@ class ResponseStream:
     """Feeds one request's tokens to its stream processor and accumulates the protocol response."""
 
     def __init__(self, prep: Prepared, tokenizer: dr.Tokenizer):
+        self._url = prep.line.url
         self._processor = dr.StreamProcessor(prep._generator_factory(), prep._conversation.parsing_options,
                                              tokenizer)
         self._response = prep._response_cls(prep._response_id, prep._model, int(time.time()), len(prep.prompt), 0)
@@ -77,63 +81,122 @@ class ResponseStream:
             self._push(dr.InferenceChunk.finish(fr))
         for out in self._processor.finish():
             self._response.accumulate(out)
-        return json.loads(self._response.to_json())
+        return complete_body(self._url, json.loads(self._response.to_json()))
+
+
+# The prompt formats deepseek-recipe renders, and the name it knows each model version by.
+PROMPT_FORMATS = {"v4": dr.ModelVersion.DeepseekV4Pro, "v4.1": dr.ModelVersion.DeepseekV41Flash}
+RECIPE_NAMES = {"v4": "DeepSeek-V4-Pro", "v4.1": "DeepSeek-V4.1-Flash"}
+
+
+def prompt_format(cfg: ModelConfig) -> str:
+    """The prompt format a checkpoint was trained on: V4.1's for a model that reads images (only the V4.1
+    family does; V4's encoding renders no images), else V4's."""
+    return "v4.1" if cfg.vision is not None else "v4"
+
+
+def default_served_names(model_dir: str, fmt: str) -> tuple[str, ...]:
+    """The names a job answers to by default: the checkpoint folder's name and the recipe's name for its
+    model version."""
+    folder = os.path.basename(os.path.normpath(os.path.abspath(model_dir)))
+    return tuple(dict.fromkeys([folder, RECIPE_NAMES[fmt]]))
 
 
 class Recipe:
     """Converts batch lines with the recipe; `context_limit` bounds prompt + max_tokens.
 
-    With `vision` (the model's image encoder config) requests may hold images: `images` resolves them
-    (remote URLs refused unless it allows them), local image files are read from `image_root`, and each
-    image's placeholder is expanded to the encoder's token count for it (`Prepared.images`)."""
+    Prompts are encoded in the checkpoint's `prompt_format` ("v4" or "v4.1"; by default V4.1's with
+    `vision`, else V4's), whatever a request's model name; a request must name one of `served_names` (responses carry the name it used). With `vision`
+    (the model's image encoder config) requests may hold images: `images` resolves them (remote URLs
+    refused unless it allows them), local image files are read from `image_root`, and each image's
+    placeholder is expanded to the encoder's token count for it (`Prepared.images`). Raises ValueError
+    naming the file when the tokenizer cannot be read or cannot encode the prompt format."""
 
     def __init__(self, tokenizer_path: str, context_limit: int, eos_token_ids: tuple[int, ...],
-                 options: dr.ConversionOptions | None = None, vision: VisionConfig | None = None,
-                 images: ImageResolver | None = None, image_root: str = "."):
-        self.tokenizer = dr.Tokenizer.from_file(tokenizer_path)
+                 prompt_format: str | None = None, served_names: Sequence[str] = (),
+                 vision: VisionConfig | None = None, images: ImageResolver | None = None, image_root: str = "."):
+        if prompt_format is None:
+            prompt_format = "v4.1" if vision is not None else "v4"
+        if prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {sorted(PROMPT_FORMATS)}, got {prompt_format!r}")
+        try:
+            self.tokenizer = dr.Tokenizer.from_file(tokenizer_path)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{tokenizer_path}: not a tokenizer file that can be read ({_clip(e)})") from None
         self.context_limit = context_limit
         self.eos_token_ids = tuple(eos_token_ids)
-        self.options = options or dr.ConversionOptions()
+        self.prompt_format = prompt_format
+        self.served_names = tuple(served_names) or (RECIPE_NAMES[prompt_format],)
+        version = PROMPT_FORMATS[prompt_format]
+        self.options = dr.ConversionOptions().with_model_versions_by_name({n: version for n in self.served_names})
         self.vision, self.images, self.image_root = vision, images or ImageResolver(), image_root
         self.image_token_id = None
         if vision is not None:
             spelling = dr.SpecialToken.Image.default_str()
             ids = self.tokenizer.encode(spelling)
             if len(ids) != 1:
-                raise ValueError(f"the tokenizer has no {spelling} token (it encodes as {ids}): a model that "
+                raise ValueError(f"{tokenizer_path} has no {spelling} token (it encodes as {ids}): a model that "
                                  "reads images needs it as one token")
             self.image_token_id = ids[0]
-        self._encodings = {
-            dr.ModelVersion.DeepseekV4Pro: dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer),
-            dr.ModelVersion.DeepseekV41Flash: dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer),
-        }
+        encoding = dr.DeepseekV4Encoding() if prompt_format == "v4" else dr.DeepseekV41Encoding()
+        self._encoding = encoding.with_tokenizer(self.tokenizer)
+        # Every prompt of this format renders these blocks: a tokenizer without their special tokens
+        # would fail every request, so it fails the job before any work instead.
+        probe = dr.ChatCompletionRequest({"model": self.served_names[0], "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}).convert(self.options)
+        try:
+            self._encoding.encode(probe.conversation)
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise ValueError(f"{tokenizer_path} cannot encode {RECIPE_NAMES[prompt_format]}'s prompt format "
+                             f"({_clip(e)}): the checkpoint's tokenizer must hold its special tokens") from None
 
     def prepare(self, line: InputLine) -> Prepared | ErrorInfo:
+        """The request of `line` ready for the engine, or the error record's reason it cannot run."""
+        try:
+            return self._prepare(line)
+        except (OverflowError, ValueError, TypeError, KeyError, UnicodeError, RecursionError) as e:
+            # Whatever else in a body the recipe cannot take (an integer past 2^64, text that is not
+            # valid Unicode) is that request's error, never the job's.
+            return ErrorInfo("invalid_request", f"the request body was rejected: {_clip(e)}")
+
+    def _prepare(self, line: InputLine) -> Prepared | ErrorInfo:
         request_cls, response_cls, id_prefix = _ENDPOINTS[line.url]
+        model = line.body.get("model")
+        if model is None:
+            return ErrorInfo("invalid_request", "the request body has no 'model': name one of the served models "
+                                                f"{list(self.served_names)}")
+        if not isinstance(model, str) or model not in self.served_names:
+            return ErrorInfo("model_not_found", f"the model {_clip(repr(model))} is not served by this job; it "
+                                                f"serves {list(self.served_names)} (set with --served-model-name)")
+        if (bad := unsupported_option(line.url, line.body)) is not None:
+            return bad
+        reads_images = self.vision is not None and self.prompt_format == "v4.1"
+        if not reads_images and (n := count_images(line.body)):
+            # The prompt would hold the image placeholders (V4's: "[Unsupported Image]") without the
+            # images: answering it would silently ignore them.
+            return ErrorInfo("image_input_unsupported",
+                             f"the request holds {n} image(s); this model reads no images (its config has no "
+                             "vision_config): send text only")
         try:
             body = inline_local_images(line.body, self.image_root, self.images.max_bytes)
         except LocalImageError as e:
             return ErrorInfo("invalid_image", str(e))
         try:
             request = request_cls(body)
-            model = request.model
             extras = {}
             if request_cls is dr.ResponsesRequest:
                 extras = {"tools": request.namespace_tool_map(self.options), "echo": request.echo()}
             conversation = request.convert(self.options)
         except (dr.ConversionError, ValueError, TypeError, KeyError) as e:
-            return ErrorInfo("invalid_request", f"the request body was rejected: {e}")
+            return ErrorInfo("invalid_request", f"the request body was rejected: {_clip(e)}")
+        constraint = conversation.inference_options.output_constraint
+        if (bad := unenforced_constraint(constraint.kind if constraint is not None else None)) is not None:
+            return bad
         sources = [s for m in conversation.conversation.messages for s in m.image_sources]
-        if sources and self.vision is None:
-            # The prompt would hold the image placeholders without the images: answering it would
-            # silently ignore them.
-            return ErrorInfo("image_input_unsupported",
-                             f"the request holds {len(sources)} image(s) (at {', '.join(s.path for s in sources)}); "
-                             "this model reads no images (its config has no vision_config): send text only")
         try:
-            prompt = self._encodings[conversation.model_version].encode(conversation.conversation)
+            prompt = self._encoding.encode(conversation.conversation)
         except (ValueError, RuntimeError, KeyError) as e:
-            return ErrorInfo("encoding_failed", f"the prompt could not be encoded with this model's tokenizer: {e}")
+            return ErrorInfo("encoding_failed", f"the prompt could not be encoded with this model's tokenizer: {_clip(e)}")
         images: tuple[ImageSpan, ...] = ()
         if sources:
             expanded = self._expand_images(list(prompt), sources)
@@ -143,7 +206,7 @@ class Recipe:
         try:
             max_tokens = conversation.resolve_max_tokens(len(prompt), self.context_limit)
         except dr.ConversionError as e:
-            return ErrorInfo("context_length_exceeded", f"{e} (prompt: {len(prompt)} tokens, context limit: "
+            return ErrorInfo("context_length_exceeded", f"{_clip(e)} (prompt: {len(prompt)} tokens, context limit: "
                                                          f"{self.context_limit})")
         opts = conversation.inference_options
         n_logprobs = None
@@ -155,7 +218,7 @@ class Recipe:
                                       stop_token_ids=self.eos_token_ids, max_tokens=max_tokens,
                                       logprobs=n_logprobs)
         except ValueError as e:
-            return ErrorInfo("invalid_request", f"unsupported sampling options: {e}")
+            return ErrorInfo("invalid_request", f"unsupported sampling options: {_clip(e)}")
         response_id = id_prefix + uuid.uuid4().hex
 
         def generator():
@@ -176,7 +239,7 @@ class Recipe:
         except ImageRefused as e:
             return ErrorInfo("image_refused", str(e))
         except (dr.ImageError, dr.CalcResizeError) as e:
-            return ErrorInfo("invalid_image", f"an image of the request could not be used: {e}")
+            return ErrorInfo("invalid_image", f"an image of the request could not be used: {_clip(e)}")
         at = [i for i, t in enumerate(prompt) if t == self.image_token_id]
         infos = data.images
         if len(at) != len(infos):
@@ -196,3 +259,7 @@ class Recipe:
 
     def stream(self, prep: Prepared) -> ResponseStream:
         return ResponseStream(prep, self.tokenizer)
+
+
+def _clip(e: BaseException | str) -> str:
+    return clip(str(e))

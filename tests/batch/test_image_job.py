@@ -127,11 +127,14 @@ def test_text_requests_are_unchanged_by_the_encoder(tmp_path, tiny_blind_model_d
     each protocol, thinking on and off)."""
     from tests.batch.test_job import MIXED
 
-    picked = [r for r in MIXED if r["custom_id"] in ("chat-system", "chat-no-thinking", "responses", "messages")]
+    picked = [{**r, "body": {**r["body"], "model": M}} for r in MIXED
+              if r["custom_id"] in ("chat-system", "chat-no-thinking", "responses", "messages")]
     inp = write_jsonl(tmp_path / "in.jsonl", picked)
     outs = []
     for name, model in (("blind", tiny_blind_model_dir), ("seeing", tiny_vision_model_dir)):
-        run_job(JobConfig(model=model, input=inp, output=str(tmp_path / f"{name}.jsonl"), **JOB))
+        # The blind model's config (no encoder) says V4's prompt format; both are asked for V4.1's.
+        run_job(JobConfig(model=model, input=inp, output=str(tmp_path / f"{name}.jsonl"), prompt_format="v4.1",
+                          **JOB))
         outs.append(sorted((canonical(r) for r in records(tmp_path / f"{name}.jsonl")), key=lambda r: r["custom_id"]))
     assert outs[0] == outs[1]
 

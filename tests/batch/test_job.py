@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,7 +140,7 @@ def test_bad_input_becomes_error_records_and_the_job_goes_on(tmp_path, tiny_mode
         chat("long", [{"role": "user", "content": "word " * 600}]),
         chat("v41", [{"role": "user", "content": "a"}], max_tokens=2) | {"body": {
             "model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}},
-        {**chat("image", []), "body": {"model": "DeepSeek-V4.1-Flash", "max_tokens": 2, "messages": [
+        {**chat("image", []), "body": {"model": M, "max_tokens": 2, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {
                 "url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4"
                        "//8/AAX+Av4N70a4AAAAAElFTkSuQmCC"}}]}]}},
@@ -154,12 +155,12 @@ def test_bad_input_becomes_error_records_and_the_job_goes_on(tmp_path, tiny_mode
     errors = {(r["custom_id"], r["line"]): r["error"]["code"] for r in recs if r["error"]}
     assert errors == {
         (None, 1): "invalid_json", (None, 2): "missing_custom_id", ("dup", 4): "duplicate_custom_id",
-        ("url", 5): "unsupported_url", ("model", 6): "invalid_request", ("body", 7): "invalid_request",
-        ("long", 8): "context_length_exceeded", ("v41", 9): "encoding_failed", ("image", 10): "image_input_unsupported"}
+        ("url", 5): "unsupported_url", ("model", 6): "model_not_found", ("body", 7): "invalid_request",
+        ("long", 8): "context_length_exceeded", ("v41", 9): "model_not_found", ("image", 10): "image_input_unsupported"}
     ok = [r["custom_id"] for r in recs if not r["error"]]
     assert sorted(ok) == ["dup", "fine"]
     assert "line 1" in next(r for r in recs if r.get("line") == 1)["error"]["message"]
-    assert "1 image(s) (at .messages[0])" in next(r for r in recs if r["custom_id"] == "image")["error"]["message"]
+    assert "holds 1 image(s); this model reads no images" in next(r for r in recs if r["custom_id"] == "image")["error"]["message"]
 
 
 def test_unusable_paths_fail_before_any_work(tmp_path, tiny_model_dir, capsys):
@@ -172,7 +173,11 @@ def test_unusable_paths_fail_before_any_work(tmp_path, tiny_model_dir, capsys):
     assert "output folder" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--input", inp, "--output", str(tmp_path / "o.jsonl"),
                  "--quiet"]) == 2
-    assert "tokenizer.json" in capsys.readouterr().err
+    assert "config.json" in capsys.readouterr().err
+    shutil.copy(os.path.join(tiny_model_dir, "config.json"), tmp_path / "config.json")
+    assert main(["generate", "--model", str(tmp_path), "--input", inp, "--output", str(tmp_path / "o.jsonl"),
+                 "--quiet"]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
 
 
 def _cli(model, inp, out):
@@ -223,6 +228,10 @@ def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp
     assert _run_until(cmd, env, out, 3, signal.SIGINT) == 130  # Ctrl-C: stops cleanly
     first = records(out)  # every line whole
     assert json.load(open(summary_path(out)))["interrupted"] is True
+    assert _run_until(cmd, env, out, len(first) + 2, signal.SIGTERM) == 143  # as Slurm or Kubernetes stop jobs
+    s = json.load(open(summary_path(out)))
+    assert s["interrupted"] is True and s["signal"] == "SIGTERM" and s["requests_already_done"] == len(first)
+    first = records(out)
 
     _run_until(cmd, env, out, len(first) + 3, signal.SIGKILL)
     partial = sum(1 for _ in open(out))
@@ -294,3 +303,149 @@ def test_mesh_runs_the_job_expert_parallel_with_the_same_text(tmp_path, tiny_mod
     assert main(["generate", "--model", tiny_model_dir, "--input", inp, "--output", str(tmp_path / "x.jsonl"),
                  "--mesh", "ep=3"]) == 2
     assert "needs 3 devices; 8 are available" in capsys.readouterr().err
+
+
+def test_the_served_names_default_to_the_checkpoints_and_are_set_by_flag(tmp_path, tiny_model_dir, capsys):
+    folder = os.path.basename(os.path.normpath(tiny_model_dir))
+    items = [chat("recipe-name", [{"role": "user", "content": "Hi"}], max_tokens=2, seed=5),
+             {**chat("folder-name", []), "body": {"model": folder, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 2}},
+             {**chat("other", []), "body": {"model": "DeepSeek-V4-Flash", "messages": [{"role": "user", "content": "Hi"}]}},
+             {**chat("mine", []), "body": {"model": "my-model", "messages": [{"role": "user", "content": "Hi"}],
+                                           "max_tokens": 2, "seed": 5}}]
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
+    argv = ["generate", "--model", tiny_model_dir, "--input", inp, "--max-batch", "4", "--max-len", "512",
+            "--chunk-size", "64", "--dtype", "float32", "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "a.jsonl")]) == 0
+    got = {r["custom_id"]: r for r in records(tmp_path / "a.jsonl")}
+    assert got["recipe-name"]["response"]["body"]["model"] == M
+    assert got["folder-name"]["response"]["body"]["model"] == folder  # the name the request used
+    for cid in ("other", "mine"):
+        err = got[cid]["error"]
+        assert err["code"] == "model_not_found" and f"serves [{folder!r}, 'DeepSeek-V4-Pro']" in err["message"]
+    summary = json.load(open(summary_path(str(tmp_path / "a.jsonl"))))
+    assert summary["served_model_names"] == [folder, M] and summary["prompt_format"] == "v4"
+
+    assert main([*argv, "--output", str(tmp_path / "b.jsonl"), "--served-model-name", "my-model", "alias"]) == 0
+    got = {r["custom_id"]: r for r in records(tmp_path / "b.jsonl")}
+    assert got["mine"]["error"] is None and got["mine"]["response"]["body"]["model"] == "my-model"
+    # The prompt format is the checkpoint's whatever the name: the same text under the new name.
+    assert canonical(got["mine"]["response"]["body"]["choices"]) == canonical(
+        records(tmp_path / "a.jsonl")[[r["custom_id"] for r in records(tmp_path / "a.jsonl")].index("recipe-name")]
+        ["response"]["body"]["choices"])
+    assert all(got[c]["error"]["code"] == "model_not_found" for c in ("recipe-name", "folder-name", "other"))
+    assert "['my-model', 'alias']" in got["other"]["error"]["message"]
+    out = capsys.readouterr().out
+    assert "load " in out and "compile " in out and "generation " in out
+
+
+def test_v4_and_v41_checkpoints_encode_in_their_own_format(tmp_path, tiny_blind_model_dir, tiny_vision_model_dir):
+    import deepseek_recipe as dr
+
+    messages = [{"role": "user", "content": "Say something"}]
+    for model, fmt, name, encoding in ((tiny_blind_model_dir, "v4", M, dr.DeepseekV4Encoding()),
+                                       (tiny_vision_model_dir, "v4.1", "DeepSeek-V4.1-Flash", dr.DeepseekV41Encoding())):
+        line = {**chat("x", messages, max_tokens=2), "body": {"model": name, "messages": messages, "max_tokens": 2}}
+        recs, summary = job(tmp_path, model, [line], name=fmt)
+        assert summary["prompt_format"] == fmt and recs[0]["error"] is None
+        conv = dr.ChatCompletionRequest(line["body"]).convert(dr.ConversionOptions())
+        tok = dr.Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+        assert recs[0]["response"]["body"]["usage"]["prompt_tokens"] == len(encoding.with_tokenizer(tok).encode(
+            conv.conversation))
+    with pytest.raises(JobError, match="needs the v4.1 prompt format"):
+        job(tmp_path, tiny_vision_model_dir, [line], name="forced", prompt_format="v4")
+
+
+def test_the_summary_keeps_start_up_apart_from_the_generation_loop(tmp_path, tiny_model_dir):
+    _, s = job(tmp_path, tiny_model_dir, MIXED[:4])
+    assert s["load_seconds"] > 0 and s["generation_seconds"] > 0 and s["programs_compiled"] > 0
+    assert s["load_seconds"] + s["generation_seconds"] <= s["wall_seconds"]
+    assert s["compile_seconds"] <= s["wall_seconds"]
+    assert s["generated_tokens_per_second"] == round(s["generated_tokens"] / s["generation_seconds"], 2)
+    assert s["prompt_tokens_per_second"] == round(s["prompt_tokens"] / s["generation_seconds"], 2)
+
+
+def test_careless_lines_are_errors_of_their_own_and_the_job_goes_on(tmp_path, tiny_vision_model_dir):
+    v41 = "DeepSeek-V4.1-Flash"
+    os.mkfifo(tmp_path / "pipe.png")
+    os.symlink("/etc/passwd", tmp_path / "sneaky.png")
+
+    def body(**kw):
+        return {"model": v41, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **kw}
+
+    def image(path):
+        return body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": path}}]}])
+
+    def line(cid, b):
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": b})
+
+    items = [
+        line("seed", body(seed=2 ** 64)), line("max-tokens", body(max_tokens=2 ** 64)),
+        '{"custom_id": "digits", "method": "POST", "url": "/v1/chat/completions", "body": {"seed": '
+        + "9" * 5000 + "}}",
+        "[" * 100_000 + "]" * 100_000,
+        line("nul", image("a\0b.png")), line("surrogate", image("\ud800.png")),
+        line("fifo", image("pipe.png")), line("passwd", image("/etc/passwd")), line("up", image("../x.png")),
+        line("link", image("sneaky.png")), line("missing-outside", image("/nonexistent/x.png")),
+        line("logit-bias", body(logit_bias={"5": 1})), line("json", body(response_format={"type": "json_object"})),
+        line("penalty", body(frequency_penalty=0.5)), line("\ud800-id", body()),
+        line("fine", body()),
+    ]
+    t = time.monotonic()
+    recs, summary = job(tmp_path, tiny_vision_model_dir, items)
+    assert time.monotonic() - t < 240  # the FIFO did not hang the job
+    codes = {r["custom_id"] or r["line"]: (r["error"] or {}).get("code") for r in recs}
+    assert codes == {"seed": "invalid_request", "max-tokens": "invalid_request", 3: "invalid_json", 4: "invalid_json",
+                     "nul": "invalid_image", "surrogate": "invalid_image", "fifo": "invalid_image",
+                     "passwd": "invalid_image", "up": "invalid_image", "link": "invalid_image",
+                     "missing-outside": "invalid_image", "logit-bias": "unsupported_parameter",
+                     "json": "unsupported_parameter", "penalty": "unsupported_parameter", "\ud800-id": None, "fine": None}
+    by = {r["custom_id"]: r["error"]["message"] for r in recs if r["error"] and r["custom_id"]}
+    outside = [by[c].replace(repr(p), "PATH") for c, p in (("passwd", "/etc/passwd"), ("missing-outside",
+                                                                                         "/nonexistent/x.png"))]
+    assert outside[0] == outside[1] and "outside the folder" in outside[0]  # nothing tells whether it exists
+    assert "logit_bias" in by["logit-bias"] and "response_format" in by["json"]
+    assert summary["requests_ok"] == 2 and summary["requests_failed"] == len(items) - 2
+
+
+def test_paths_the_job_cannot_use_fail_before_any_work(tmp_path, tiny_model_dir, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED[:1])
+    before = open(inp, "rb").read()
+    base = ["generate", "--model", tiny_model_dir, "--input", inp, "--quiet"]
+    assert main([*base, "--output", inp]) == 2  # the output is the input
+    assert "is the input file" in capsys.readouterr().err and open(inp, "rb").read() == before
+    (tmp_path / "out.summary.json").mkdir()  # the summary cannot be written
+    assert main([*base, "--output", str(tmp_path / "out.jsonl")]) == 2
+    assert "summary" in capsys.readouterr().err and not os.path.exists(tmp_path / "out.jsonl")
+    with pytest.raises(SystemExit):
+        main([*base, "--output", str(tmp_path / "o.jsonl"), "--seed", "-1"])
+    assert "--seed: must be in [0, 9223372036854775808), got -1" in capsys.readouterr().err
+    with pytest.raises(JobError, match="seed must be an integer"):
+        run_job(JobConfig(model=tiny_model_dir, input=inp, output=str(tmp_path / "o.jsonl"), seed=-1))
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    (bad / "tokenizer.json").write_text("{}")
+    assert main([*base[:1], "--model", str(bad), *base[3:], "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    garbage = tmp_path / "garbage-tokenizer"
+    shutil.copytree(tiny_model_dir, garbage)
+    (garbage / "tokenizer.json").write_bytes(b"\x00garbage")
+    assert main([*base[:1], "--model", str(garbage), *base[3:], "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "tokenizer.json: not a tokenizer file" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o.jsonl")
+
+
+def test_a_resume_from_a_changed_input_is_refused_unless_asked_for(tmp_path, tiny_model_dir, capsys):
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED[:1])
+    out = str(tmp_path / "out.jsonl")
+    argv = ["generate", "--model", tiny_model_dir, "--input", inp, "--output", out, "--max-batch", "2",
+            "--max-len", "256", "--chunk-size", "64", "--dtype", "float32", "--quiet"]
+    assert main(argv) == 0
+    write_jsonl(tmp_path / "in.jsonl", MIXED[:2])
+    assert main(argv) == 2
+    assert "changed since" in capsys.readouterr().err and len(records(out)) == 1
+    assert main([*argv, "--allow-changed-input"]) == 0
+    assert [r["custom_id"] for r in records(out)] == [MIXED[0]["custom_id"], MIXED[1]["custom_id"]]
+    s = json.load(open(summary_path(out)))
+    assert s["input_changed"] and s["requests_already_done"] == 1

