@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
+import reprlib
+import sys
 from typing import Any, Mapping
 
 SLIDING = "sliding_attention"
@@ -117,7 +120,8 @@ class QuantConfig:
         if scheme != "dynamic":
             raise ConfigError(f"quantization_config.activation_scheme is {scheme!r}; only 'dynamic' is "
                               "supported (static activation scales are not part of DeepSeek-V4 checkpoints)")
-        return cls(weight_block_size=tuple(int(b) for b in raw.get("weight_block_size") or (128, 128)),
+        block = _Fields(raw, "quantization_config.").get("weight_block_size", "ints", minimum=1, nullable=True)
+        return cls(weight_block_size=tuple(block or (128, 128)),
                    scale_fmt=raw.get("scale_fmt") or "float",
                    expert_dtype=raw.get("expert_dtype") or expert_dtype or "fp8")
 
@@ -155,14 +159,15 @@ class VisionConfig:
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any]) -> "VisionConfig":
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"vision_config must be a dict, got {type(raw).__name__}")
+        raw = _convert("vision_config", raw, "dict")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"vision_config has unknown keys {unknown}; known: {sorted(known)}")
+        fields = _Fields(raw, "vision_config.")
+        values = {k: fields.get(k, "number" if k in ("rope_theta", "norm_eps") else "int", minimum=1) for k in raw}
         try:
-            return cls(**raw)
+            return cls(**values)
         except TypeError as e:
             raise ConfigError(f"vision_config: {e}") from None
 
@@ -296,15 +301,20 @@ class ModelConfig:
     # ---------------------------------------------------------------- HF I/O
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
-        """Read a transformers `config.json` (a path to the file or its folder, or the parsed dict)."""
+        """Read a transformers `config.json` (a path to the file or its folder, or the parsed dict).
+
+        Anything that does not describe a valid model raises ConfigError naming the field and what it
+        expected, prefixed by the file's path when read from one."""
         if isinstance(path_or_dict, Mapping):
-            raw = dict(path_or_dict)
-        else:
-            p = os.fspath(path_or_dict)
-            if os.path.isdir(p):
-                p = os.path.join(p, "config.json")
-            with open(p) as f:
-                raw = json.load(f)
+            return cls._from_raw(dict(path_or_dict))
+        path, raw = _read_config(path_or_dict)
+        try:
+            return cls._from_raw(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    @classmethod
+    def _from_raw(cls, raw: dict[str, Any]) -> "ModelConfig":
         mt = raw.get("model_type", "deepseek_v4")
         if mt != "deepseek_v4":
             raise ConfigError(f"model_type is {mt!r}; dsjax reads only 'deepseek_v4' configs")
@@ -369,12 +379,100 @@ class ModelConfig:
         return cls.from_hf(PRESETS[name])
 
 
+# ------------------------------------------------------------------------------------------ reading
+def _read_config(path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """(path of the config.json, its parsed object) for a path to the file or to its folder."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        if not os.path.exists(os.path.join(p, "config.json")):
+            raise ConfigError(f"{p} has no config.json")
+        p = os.path.join(p, "config.json")
+    try:
+        with open(p, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{p} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"{p} cannot be read ({e.strerror or e})") from None
+    if not data.strip():
+        raise ConfigError(f"{p} is empty; expected a JSON object")
+    try:
+        raw = json.loads(data)  # from bytes: UTF-8 with or without a BOM, UTF-16 or UTF-32, as JSON allows
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not valid JSON (not UTF-8 text: {e.reason} at byte {e.start})") from None
+    if not isinstance(raw, dict):
+        got = "an array" if isinstance(raw, list) else "a string" if isinstance(raw, str) else json.dumps(raw)
+        raise ConfigError(f"{p} must hold a JSON object, got {got}")
+    return p, raw
+
+
+def _is_number(value: Any) -> bool:
+    # The comparison also refuses NaN, infinities and ints too large for a float.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
+
+
+# kind: (what a message says was expected, whether a value is one, its conversion)
+_SCALARS = {
+    "number": ("a finite number", _is_number, float),
+    "bool": ("true or false", lambda v: isinstance(v, bool), bool),
+    "str": ("a string", lambda v: isinstance(v, str), str),
+    "dict": ("an object", lambda v: isinstance(v, Mapping), dict),
+}
+_INT_EXPECTED = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}
+
+
+def _convert(name: str, value: Any, kind: str, minimum: int | None = None) -> Any:
+    """`value`, the field `name`, as `kind` ("int", a key of _SCALARS, or "ints"/"strs" for lists), or a
+    ConfigError saying what was expected. JSON has one number type, so integral floats (4096.0) pass as
+    ints; bools pass as neither ints nor numbers; numbers written as strings are refused. `minimum`
+    (None, 0 or 1) bounds ints and the entries of "ints"."""
+    def fail(expected: str):
+        raise ConfigError(f"{name} must be {expected}, got {reprlib.repr(value)}")
+
+    if kind in ("ints", "strs"):
+        if not isinstance(value, (list, tuple)):
+            fail("a list of " + ("integers" if kind == "ints" else "strings"))
+        return [_convert(f"{name}[{i}]", v, kind[:-1], minimum) for i, v in enumerate(value)]
+    if kind == "int":
+        whole = isinstance(value, numbers.Integral) or (_is_number(value) and float(value).is_integer())
+        if isinstance(value, bool) or not whole or (minimum is not None and int(value) < minimum):
+            fail(_INT_EXPECTED[minimum])
+        return int(value)
+    expected, accepts, convert = _SCALARS[kind]
+    if not accepts(value):
+        fail(expected)
+    return convert(value)
+
+
+class _Fields:
+    """Typed reads of one raw config dict, every value through `_convert`. `where` prefixes field names in
+    messages ("rope_parameters.main."); a tuple of keys reads the first one present (legacy spellings)."""
+
+    def __init__(self, raw: Mapping[str, Any], where: str = ""):
+        self.raw, self.where = raw, where
+
+    def get(self, keys: str | tuple[str, ...], kind: str, default: Any = None, minimum: int | None = None,
+            nullable: bool = False) -> Any:
+        """`default` when no key is present; None for an explicit null only if `nullable` (elsewhere a null
+        is refused like any other wrong type)."""
+        for key in (keys,) if isinstance(keys, str) else keys:
+            if key in self.raw:
+                value = self.raw[key]
+                if value is None and nullable:
+                    return None
+                return _convert(self.where + key, value, kind, minimum)
+        return default
+
+
 # ------------------------------------------------------------------------------------------ derivation
 def _derive(raw: dict[str, Any]) -> dict[str, Any]:
     """Map a raw HF dict to ModelConfig kwargs, mirroring DeepseekV4Config.__post_init__."""
     g = raw.get
-    n = int(g("num_hidden_layers", 43))
-    head_dim = int(g("head_dim", 512))
+    f = _Fields(raw)
+    n = f.get("num_hidden_layers", "int", 43, minimum=1)
+    head_dim = f.get("head_dim", "int", 512, minimum=1)
     act = g("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act {act!r} is not supported; DeepSeek-V4 uses 'silu'")
@@ -383,101 +481,111 @@ def _derive(raw: dict[str, Any]) -> dict[str, Any]:
         # The reference never reads it (one shared KV head always); say so rather than mislead.
         raise ConfigError(f"num_key_value_heads is {kv_heads}; DeepSeek-V4 attention has one shared KV head")
 
+    # Rates may be 0 for a type no layer uses; validate() requires the used ones to be positive.
     rates = dict(_DEFAULT_COMPRESS_RATES)
-    if g("compress_rates") is not None:
-        rates = dict(g("compress_rates"))
-    if g("compress_rate_csa") is not None:
-        rates[CSA] = g("compress_rate_csa")
-    if g("compress_rate_hca") is not None:
-        rates[HCA] = g("compress_rate_hca")
+    given_rates = f.get("compress_rates", "dict", nullable=True)
+    if given_rates is not None:
+        rates = {t: _Fields(given_rates, "compress_rates.").get(t, "int", rates[t], minimum=0) for t in rates}
+    for key, t in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+        given = f.get(key, "int", minimum=0, nullable=True)
+        if given is not None:
+            rates[t] = given
 
-    layer_types = g("layer_types")
-    if layer_types is None and g("compress_ratios") is not None:
+    layer_types = f.get("layer_types", "strs", nullable=True)
+    ratios = f.get("compress_ratios", "ints", minimum=0, nullable=True)
+    if layer_types is None and ratios is not None:
         try:
-            layer_types = [_LEGACY_RATIO_TO_TYPE[int(r)] for r in g("compress_ratios")]
+            layer_types = [_LEGACY_RATIO_TO_TYPE[r] for r in ratios]
         except KeyError as e:
             raise ConfigError(f"compress_ratios may hold only 0, 4 or 128; got {e.args[0]}") from None
     if layer_types is None:
         layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     layer_types = tuple(layer_types[:n])
 
-    mlp_types = g("mlp_layer_types")
+    mlp_types = f.get("mlp_layer_types", "strs", nullable=True)
     if mlp_types is None:
-        n_hash = g("num_hash_layers")
-        n_hash = _DEFAULT_NUM_HASH_LAYERS if n_hash is None else int(n_hash)
+        n_hash = f.get("num_hash_layers", "int", minimum=0, nullable=True)
+        n_hash = _DEFAULT_NUM_HASH_LAYERS if n_hash is None else n_hash
         mlp_types = [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
     mlp_types = tuple(mlp_types[:n])
 
-    given_prf = g("partial_rotary_factor")
-    legacy_rope_dim = g("qk_rope_head_dim")
+    given_prf = f.get("partial_rotary_factor", "number", nullable=True)
+    legacy_rope_dim = f.get("qk_rope_head_dim", "int", minimum=1, nullable=True)
     if given_prf is not None:
-        prf = float(given_prf)
+        prf = given_prf
     elif legacy_rope_dim is not None:
         prf = legacy_rope_dim / head_dim
     else:
         prf = _DEFAULT_PARTIAL_ROTARY
-    rope_theta = float(g("rope_theta", 10000.0))
-    compress_theta = float(g("compress_rope_theta", 160000.0))
-    max_pos = int(g("max_position_embeddings", 1048576))
-    main, compress = _derive_rope(raw, rope_theta, compress_theta, given_prf, prf, max_pos)
+    rope_theta = f.get("rope_theta", "number", 10000.0)
+    compress_theta = f.get("compress_rope_theta", "number", 160000.0)
+    max_pos = f.get("max_position_embeddings", "int", 1048576, minimum=1)
+    main, compress = _derive_rope(f, rope_theta, compress_theta, given_prf, prf, max_pos)
 
-    eos = g("eos_token_id", 1)
-    eos = () if eos is None else (tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),))
-    n_experts = g("n_routed_experts", g("num_local_experts", 256))
-    qc = g("quantization_config")
-    if qc is not None and not isinstance(qc, Mapping):
-        raise ConfigError(f"quantization_config must be a dict, got {type(qc).__name__}")
+    eos = g("eos_token_id", 1)  # one id, a list of them, or null for none
+    if eos is None:
+        eos = ()
+    elif isinstance(eos, (list, tuple)):
+        eos = tuple(_convert("eos_token_id", eos, "ints", 0))
+    else:
+        eos = (_convert("eos_token_id", eos, "int", 0),)
+    qc = f.get("quantization_config", "dict", nullable=True)
     vc = g("vision_config")
     return dict(
         quantization=QuantConfig.from_hf(qc, g("expert_dtype")) if qc else None,
         vision=VisionConfig.from_hf(vc) if vc is not None else None,
-        vocab_size=int(g("vocab_size", 129280)),
-        hidden_size=int(g("hidden_size", 4096)),
-        moe_intermediate_size=int(g("moe_intermediate_size", g("intermediate_size", 2048))),
+        vocab_size=f.get("vocab_size", "int", 129280, minimum=1),
+        hidden_size=f.get("hidden_size", "int", 4096, minimum=1),
+        moe_intermediate_size=f.get(("moe_intermediate_size", "intermediate_size"), "int", 2048, minimum=1),
         num_hidden_layers=n,
-        num_attention_heads=int(g("num_attention_heads", 64)),
+        num_attention_heads=f.get("num_attention_heads", "int", 64, minimum=1),
         head_dim=head_dim,
-        q_lora_rank=int(g("q_lora_rank", 1024)),
-        num_experts_per_tok=int(g("num_experts_per_tok", 6)),
-        n_routed_experts=int(n_experts),
+        q_lora_rank=f.get("q_lora_rank", "int", 1024, minimum=1),
+        num_experts_per_tok=f.get("num_experts_per_tok", "int", 6, minimum=1),
+        n_routed_experts=f.get(("n_routed_experts", "num_local_experts"), "int", 256, minimum=1),
         scoring_func=g("scoring_func", "sqrtsoftplus"),
-        routed_scaling_factor=float(g("routed_scaling_factor", 1.5)),
+        routed_scaling_factor=f.get("routed_scaling_factor", "number", 1.5),
         layer_types=layer_types,
         mlp_layer_types=mlp_types,
-        compress_rate_csa=int(rates[CSA]),
-        compress_rate_hca=int(rates[HCA]),
+        compress_rate_csa=rates[CSA],
+        compress_rate_hca=rates[HCA],
         rope_main=main,
         rope_compress=compress,
-        hc_mult=int(g("hc_mult", 4)),
-        hc_sinkhorn_iters=int(g("hc_sinkhorn_iters", 20)),
-        hc_eps=float(g("hc_eps", 1e-6)),
-        swiglu_limit=float(g("swiglu_limit", 10.0)),
-        sliding_window=int(g("sliding_window", 128)),
-        o_groups=int(g("o_groups", 8)),
-        o_lora_rank=int(g("o_lora_rank", 1024)),
-        index_n_heads=int(g("index_n_heads", 64)),
-        index_head_dim=int(g("index_head_dim", 128)),
-        index_topk=int(g("index_topk", 512)),
-        rms_norm_eps=float(g("rms_norm_eps", 1e-6)),
+        hc_mult=f.get("hc_mult", "int", 4, minimum=1),
+        hc_sinkhorn_iters=f.get("hc_sinkhorn_iters", "int", 20, minimum=0),
+        hc_eps=f.get("hc_eps", "number", 1e-6),
+        swiglu_limit=f.get("swiglu_limit", "number", 10.0),
+        sliding_window=f.get("sliding_window", "int", 128, minimum=1),
+        o_groups=f.get("o_groups", "int", 8, minimum=1),
+        o_lora_rank=f.get("o_lora_rank", "int", 1024, minimum=1),
+        index_n_heads=f.get("index_n_heads", "int", 64, minimum=1),
+        index_head_dim=f.get("index_head_dim", "int", 128, minimum=1),
+        index_topk=f.get("index_topk", "int", 512, minimum=1),
+        rms_norm_eps=f.get("rms_norm_eps", "number", 1e-6),
         partial_rotary_factor=prf,
         max_position_embeddings=max_pos,
-        mlp_bias=bool(g("mlp_bias", False)),
-        tie_word_embeddings=bool(g("tie_word_embeddings", False)),
-        bos_token_id=g("bos_token_id", 0),
+        # A null flag reads as false, as bool(None) always did.
+        mlp_bias=bool(f.get("mlp_bias", "bool", False, nullable=True)),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", "bool", False, nullable=True)),
+        bos_token_id=f.get("bos_token_id", "int", 0, minimum=0, nullable=True),
         eos_token_id=eos,
-        pad_token_id=g("pad_token_id"),
-        num_nextn_predict_layers=int(g("num_nextn_predict_layers", 1)),
-        initializer_range=float(g("initializer_range", 0.02)),
+        pad_token_id=f.get("pad_token_id", "int", minimum=0, nullable=True),
+        num_nextn_predict_layers=f.get("num_nextn_predict_layers", "int", 1, minimum=0),
+        initializer_range=f.get("initializer_range", "number", 0.02),
         rope_theta=rope_theta,
         compress_rope_theta=compress_theta,
     )
 
 
-def _derive_rope(raw, rope_theta, compress_theta, given_prf, prf, max_pos) -> tuple[RopeConfig, RopeConfig]:
+def _derive_rope(f: _Fields, rope_theta, compress_theta, given_prf, prf, max_pos) -> tuple[RopeConfig, RopeConfig]:
     """Build (main, compress) as the reference does: a flat (YaRN) dict reaches only `compress`."""
-    rp = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    rp = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in rp.items()}
-    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+    given = {k: f.get(k, "dict", nullable=True) for k in ("rope_scaling", "rope_parameters")}
+    source = "rope_scaling" if given["rope_scaling"] else "rope_parameters"  # the reference's `a or b`
+    rp = given[source] or {}
+    for label in ("main", "compress"):
+        if rp.get(label) is not None:
+            rp[label] = _convert(f"{source}.{label}", rp[label], "dict")
+    if rp.get("main") is not None and rp.get("compress") is not None:
         subs = {}
         for label in ("main", "compress"):
             d = rp[label]
@@ -491,13 +599,15 @@ def _derive_rope(raw, rope_theta, compress_theta, given_prf, prf, max_pos) -> tu
         main_d, comp_d = subs["main"], subs["compress"]
         main_d.setdefault("partial_rotary_factor", 1.0)
         comp_d.setdefault("partial_rotary_factor", 1.0)
+        where_main, where_comp = f"{source}.main.", f"{source}.compress."
     else:
         flat = {k: v for k, v in rp.items() if k not in ("main", "compress")}
         if flat or rope_theta:
             flat.setdefault("rope_type", flat.get("type", "default"))
             if flat["rope_type"] == "yarn":
-                if raw.get("original_max_position_embeddings") is not None:
-                    flat["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+                top = f.get("original_max_position_embeddings", "int", minimum=1, nullable=True)
+                if top is not None:
+                    flat["original_max_position_embeddings"] = top
                 else:
                     flat.setdefault("original_max_position_embeddings", max_pos)
         main_d = {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": prf}
@@ -505,28 +615,27 @@ def _derive_rope(raw, rope_theta, compress_theta, given_prf, prf, max_pos) -> tu
         comp_d.setdefault("rope_type", "default")
         if comp_d["rope_type"] == "yarn":
             comp_d.setdefault("attention_factor", 1.0)
-    return _rope_from_dict(main_d, max_pos), _rope_from_dict(comp_d, max_pos)
+        where_main, where_comp = "", f"{source}."
+    return _rope_from_dict(main_d, max_pos, where_main), _rope_from_dict(comp_d, max_pos, where_comp)
 
 
-def _rope_from_dict(d: Mapping[str, Any], max_pos: int) -> RopeConfig:
-    def opt(key, typ):
-        v = d.get(key)
-        return None if v is None else typ(v)
-
+def _rope_from_dict(d: Mapping[str, Any], max_pos: int, where: str) -> RopeConfig:
+    """`where` names the dict the fields came from, for messages."""
+    f = _Fields(d, where)
     rope_type = d.get("rope_type", d.get("type", "default"))
-    factor = opt("factor", float)
-    omax = opt("original_max_position_embeddings", int)
+    factor = f.get("factor", "number", nullable=True)
+    omax = f.get("original_max_position_embeddings", "int", minimum=1, nullable=True)
     if rope_type == "yarn" and factor is None and omax:
         factor = max_pos / omax  # what the reference falls back to
     return RopeConfig(
-        theta=float(d["rope_theta"]),
-        partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0)),
+        theta=f.get("rope_theta", "number"),
+        partial_rotary_factor=f.get("partial_rotary_factor", "number", 1.0),
         rope_type=rope_type,
         factor=factor,
         original_max_position_embeddings=omax,
-        beta_fast=opt("beta_fast", float),
-        beta_slow=opt("beta_slow", float),
-        attention_factor=opt("attention_factor", float),
-        mscale=opt("mscale", float),
-        mscale_all_dim=opt("mscale_all_dim", float),
+        beta_fast=f.get("beta_fast", "number", nullable=True),
+        beta_slow=f.get("beta_slow", "number", nullable=True),
+        attention_factor=f.get("attention_factor", "number", nullable=True),
+        mscale=f.get("mscale", "number", nullable=True),
+        mscale_all_dim=f.get("mscale_all_dim", "number", nullable=True),
     )

@@ -14,7 +14,6 @@ scales as uint8, int64 hash tables); only float experts change orientation, to d
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from orbax.checkpoint import v1 as ocp
 
 from dsjax.checkpoint.load import abstract_model
 from dsjax.checkpoint.names import TRANSPOSED_LEAVES
-from dsjax.checkpoint.safetensors_io import CheckpointError
+from dsjax.checkpoint.safetensors_io import CheckpointError, read_json
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 
@@ -97,11 +96,7 @@ def dtype_of(name: str) -> np.dtype:
 
 def read_manifest(folder: str) -> dict:
     path = os.path.join(folder, MANIFEST)
-    try:
-        with open(path) as f:
-            man = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not a readable dsjax manifest ({e})") from None
+    man = read_json(path, "dsjax manifest")
     if man.get("format") != FORMAT or man.get("version") != VERSION:
         raise CheckpointError(f"{path}: format {man.get('format')!r} version {man.get('version')!r}; this dsjax "
                               f"reads {FORMAT!r} version {VERSION}")
@@ -145,8 +140,7 @@ def load_converted(folder: str, dtype=jnp.float32, weights: str = "keep", mesh=N
     from dsjax.quantize import dequantize_model
 
     man = read_manifest(folder)
-    with open(os.path.join(folder, "config.json")) as f:
-        stored = ModelConfig.from_hf(json.load(f))
+    stored = ModelConfig.from_hf(os.path.join(folder, "config.json"))  # errors name the file
     if weights == "bf16" and stored.quantization is not None:
         return dequantize_model(load_converted(folder, dtype, "keep", mesh), dtype)
     graphdef, flat, targets = abstract_model(stored, dtype)

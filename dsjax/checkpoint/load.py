@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -93,7 +92,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     sinks, position biases, the router's correction bias). A checkpoint with a `quantization_config`
     (FP8 blocks, FP4 experts) keeps that storage on the device with `weights="keep"`, dequantized layer by
     layer inside each step; `weights="bf16"` dequantizes it once at load into `dtype` instead. Unknown,
-    missing or mis-shaped tensors raise a CheckpointError naming the tensor and its file. A folder made
+    missing or mis-shaped tensors and unreadable weight files raise a CheckpointError naming the tensor
+    and its file; a bad config.json a ConfigError naming the file and the field. A folder made
     by `dsjax convert` (Orbax) is read layer by layer straight onto the devices: onto `mesh` (a
     jax Mesh with axes dp/ep/tp, or a spec such as "ep=8", see `dsjax.parallel`) each device receiving only
     its slice of each array; a safetensors folder is loaded onto one device and then placed on `mesh`.
@@ -104,8 +104,9 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder} is not a folder")
     cfg_path = os.path.join(folder, "config.json")
-    if not os.path.exists(cfg_path):
-        raise CheckpointError(f"{folder} has no config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{cfg_path} is a folder, not a file" if os.path.isdir(cfg_path)
+                              else f"{folder} has no config.json")
     if dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dtype must be jnp.float32 or jnp.bfloat16, got {dtype}")
     from dsjax.checkpoint import converted  # imports this module
@@ -120,9 +121,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
         from dsjax.parallel.shard import shard_model
 
         return shard_model(load_model(folder, dtype, weights), mesh)
-    with open(cfg_path) as f:
-        raw = json.load(f)
-    stored = ModelConfig.from_hf(raw)
+    stored = ModelConfig.from_hf(cfg_path)  # from the path, so that its errors name the file
     cfg = stored if weights == "keep" else stored.replace(quantization=None)
 
     graphdef, flat, targets = abstract_model(cfg, dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import struct
 from dataclasses import dataclass
 from typing import Iterator
@@ -39,27 +40,74 @@ class TensorRef:
     end: int
 
 
+def read_json(path: str, what: str) -> dict:
+    """The JSON object in the file `path` (`what` it is, for messages), or a CheckpointError naming it."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: the {what} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                              f"{e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: the {what} is not valid JSON (not UTF-8 text: {e.reason})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: the {what} must be a JSON object, not a {type(value).__name__}")
+    return value
+
+
 def read_header(path: str) -> tuple[dict[str, TensorRef], int]:
     """The tensors of one .safetensors file and the byte offset where their data starts."""
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
+            first = f.read(8)
+            if len(first) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file: it has {size} bytes, fewer than the "
+                                      "8 that give the header's length")
+            (n,) = struct.unpack("<Q", first)
+            # Checked before reading: random bytes give lengths of exabytes.
+            if n > size - 8:
+                raise CheckpointError(f"{path}: not a safetensors file: its first 8 bytes give a header of "
+                                      f"{n:,} bytes, but the file has {size:,}")
             header = json.loads(f.read(n))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file: its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file: its header is a JSON {type(header).__name__}, "
+                              "not an object")
     refs = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info["data_offsets"]
+        begin, end = _entry(path, name, info)
         refs[name] = TensorRef(name, path, info["dtype"], tuple(info["shape"]), begin, end)
     needed = 8 + n + max((r.end for r in refs.values()), default=0)
-    size = os.path.getsize(path)
     if size < needed:
         short = sorted(r.name for r in refs.values() if 8 + n + r.end > size)
         raise CheckpointError(f"{path}: truncated: its header describes {needed:,} bytes but the file has "
                               f"{size:,}; {len(short)} tensor(s) cut off, e.g. {short[:3]}")
     return refs, 8 + n
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry(path: str, name: str, info) -> tuple[int, int]:
+    """The data offsets of header entry `name`, once its fields have the types the format gives them."""
+    ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+          and isinstance(info.get("shape"), list) and all(_is_count(d) for d in info["shape"])
+          and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+          and all(_is_count(o) for o in info["data_offsets"]))
+    if not ok or info["data_offsets"][0] > info["data_offsets"][1]:
+        raise CheckpointError(f"{path}: header entry {name!r} is not a tensor description: expected "
+                              '{"dtype": str, "shape": [non-negative ints], "data_offsets": [begin, end]}, '
+                              f"got {reprlib.repr(info)}")
+    return tuple(info["data_offsets"])
 
 
 def tensor_dtype(ref: TensorRef) -> np.dtype:
@@ -85,8 +133,12 @@ def checkpoint_files(folder: str) -> list[str]:
     """The .safetensors files of a model folder: those the index names, or the single model file."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        weight_map = read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: expected a \"weight_map\" object mapping tensor names to shard "
+                                  f"files, got {reprlib.repr(weight_map)}")
+        if not weight_map:
+            raise CheckpointError(f"{index}: its weight_map is empty, so it names no shard files")
         files = sorted(set(weight_map.values()))
         missing = [x for x in files if not os.path.exists(os.path.join(folder, x))]
         if missing:
