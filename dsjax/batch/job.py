@@ -122,7 +122,7 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     setup = error = None
     t_start = time.perf_counter()
     try:
-        setup = _check(cfg)
+        setup = _check(cfg, writes=main)
         if main:
             results = ResultsFile(cfg.output, cfg.input, allow_changed_input=cfg.allow_changed_input)
     except JobError as e:
@@ -224,9 +224,10 @@ def _write_summary(path: str, summary: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _check(cfg: JobConfig) -> _Setup:
-    """Raise JobError if the job cannot run: every setting, the input, the paths it will write, the model's
-    config and tokenizer, all before any weight is read."""
+def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
+    """Raise JobError if the job cannot run: every setting, the input, the paths it will write (if it
+    `writes`: process 0 of a multi-process run), the model's config and tokenizer, all before any weight
+    is read."""
     if cfg.dtype not in _DTYPES:
         raise JobError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
     if cfg.weights not in ("keep", "bf16"):
@@ -257,10 +258,11 @@ def _check(cfg: JobConfig) -> _Setup:
     check_readable(cfg.input)
     if cfg.image_root is not None and not os.path.isdir(cfg.image_root):
         raise JobError(f"image root {cfg.image_root!r} is not a folder")
-    out_dir = os.path.dirname(os.path.abspath(cfg.output))
-    if not os.path.isdir(out_dir):
-        raise JobError(f"output folder {out_dir!r} does not exist")
-    _check_writable(summary_path(cfg.output), cfg.input, "summary")
+    if writes:
+        out_dir = os.path.dirname(os.path.abspath(cfg.output))
+        if not os.path.isdir(out_dir):
+            raise JobError(f"output folder {out_dir!r} does not exist")
+        _check_writable(summary_path(cfg.output), cfg.input, "summary")
     if not os.path.isdir(cfg.model):
         raise JobError(f"model folder {cfg.model!r} does not exist or is not a folder")
     try:

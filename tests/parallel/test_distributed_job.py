@@ -19,7 +19,7 @@ from dsjax.training.tokenizer import write_tokenizer
 from tests.batch.test_job import canonical, records, write_jsonl
 from tests.parallel.processes import free_port, process_env, run_processes, tails
 
-M = "DeepSeek-V4.1-Flash"
+M = "DeepSeek-V4-Pro"  # the tiny release checkpoint is a V4: its prompts are V4's
 
 
 def chat(cid, text, **kw):
