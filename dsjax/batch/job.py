@@ -31,7 +31,7 @@ from tqdm import tqdm
 from dsjax.batch.images import ImageResolver
 from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
 from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
-from dsjax.batch.results import ResultsFile, error_record, success_record
+from dsjax.batch.results import ResultsFile, check_output, error_record, success_record
 from dsjax.config import ModelConfig
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.generate import request_seed
@@ -259,9 +259,7 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     if cfg.image_root is not None and not os.path.isdir(cfg.image_root):
         raise JobError(f"image root {cfg.image_root!r} is not a folder")
     if writes:
-        out_dir = os.path.dirname(os.path.abspath(cfg.output))
-        if not os.path.isdir(out_dir):
-            raise JobError(f"output folder {out_dir!r} does not exist")
+        check_output(cfg.output, cfg.input)
         _check_writable(summary_path(cfg.output), cfg.input, "summary")
     if not os.path.isdir(cfg.model):
         raise JobError(f"model folder {cfg.model!r} does not exist or is not a folder")

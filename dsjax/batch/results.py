@@ -107,6 +107,25 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def check_output(path: str, input_path: str | None = None) -> None:
+    """Raise JobError if `path` cannot be a job's output: its folder is missing, it (or its lock or
+    fingerprint) is the input, or it exists and is no regular file (a pipe, a device, a folder)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise JobError(f"output folder {parent!r} does not exist")
+    if input_path is not None:
+        for what, p in (("output", path), ("output's lock", lock_path(path)),
+                        ("output's input fingerprint", fingerprint_path(path))):
+            if (os.path.exists(p) and _same_file(p, input_path)) or os.path.realpath(p) == os.path.realpath(input_path):
+                raise JobError(f"the {what} {p!r} is the input file: the job would write into the file it "
+                               "reads; choose another --output")
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise JobError(f"output {path!r} is a symbolic link to nothing: give a file path")
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise JobError(f"output {path!r} is not a regular file (a pipe, device or folder): the job reads an "
+                       "existing output to resume it, so it writes only to files")
+
+
 class ResultsFile:
     """Append-only JSONL output that knows which input lines it already holds.
 
@@ -121,20 +140,7 @@ class ResultsFile:
         self.input_changed = False
         self._lock_fd: int | None = None
         self._f = None
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise JobError(f"output folder {parent!r} does not exist")
-        if input_path is not None:
-            for what, p in (("output", path), ("output's lock", lock_path(path)),
-                            ("output's input fingerprint", fingerprint_path(path))):
-                if os.path.exists(p) and _same_file(p, input_path) or os.path.realpath(p) == os.path.realpath(input_path):
-                    raise JobError(f"the {what} {p!r} is the input file: the job would write into the file it "
-                                   "reads; choose another --output")
-        if os.path.lexists(path) and not os.path.exists(path):
-            raise JobError(f"output {path!r} is a symbolic link to nothing: give a file path")
-        if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
-            raise JobError(f"output {path!r} is not a regular file (a pipe, device or folder): the job reads an "
-                           "existing output to resume it, so it writes only to files")
+        check_output(path, input_path)
         try:
             self._lock()
             records = self._load_existing() if os.path.exists(path) else 0

@@ -449,3 +449,13 @@ def test_a_resume_from_a_changed_input_is_refused_unless_asked_for(tmp_path, tin
     assert [r["custom_id"] for r in records(out)] == [MIXED[0]["custom_id"], MIXED[1]["custom_id"]]
     s = json.load(open(summary_path(out)))
     assert s["input_changed"] and s["requests_already_done"] == 1
+
+
+def test_an_output_to_a_pipe_is_refused_at_once(tmp_path, tiny_model_dir):
+    """`--output /dev/stdout` into a pipe: refused before anything is read from or written to it."""
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED[:1])
+    proc = subprocess.run([sys.executable, "-m", "dsjax.cli", "generate", "--model", tiny_model_dir, "--input", inp,
+                           "--output", "/dev/stdout", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "is not a regular file" in proc.stderr
