@@ -14,6 +14,7 @@ from typing import Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
+from dsjax.engine.compiles import CompileClock
 from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.steps import Engine, Spliced
 from dsjax.parallel.rules import slot_axes
@@ -165,17 +166,21 @@ def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer") ->
 
 
 class StepTimer:
-    """Wall time spent inside the jitted steps (including the device-to-host copy of their results)."""
+    """Wall time spent inside the jitted steps (including the device-to-host copy of their results); with
+    a `CompileClock`, less the time jax spent compiling them when they first ran."""
 
-    def __init__(self):
+    def __init__(self, clock: CompileClock | None = None):
         self.seconds = 0.0
         self.steps = 0
+        self._clock = clock
 
     def __enter__(self):
         self._t0 = time.perf_counter()
+        self._c0 = self._clock.seconds() if self._clock is not None else 0.0
 
     def __exit__(self, *exc):
-        self.seconds += time.perf_counter() - self._t0
+        compiling = self._clock.seconds() - self._c0 if self._clock is not None else 0.0
+        self.seconds += time.perf_counter() - self._t0 - compiling
         self.steps += 1
 
 

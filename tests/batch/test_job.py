@@ -363,6 +363,8 @@ def test_the_summary_keeps_start_up_apart_from_the_generation_loop(tmp_path, tin
     assert s["compile_seconds"] <= s["wall_seconds"]
     assert s["generated_tokens_per_second"] == round(s["generated_tokens"] / s["generation_seconds"], 2)
     assert s["prompt_tokens_per_second"] == round(s["prompt_tokens"] / s["generation_seconds"], 2)
+    # The steps' first runs compile them: that time is the compile figure's, not the steps'.
+    assert 0 < s["engine_step_seconds"] <= s["generation_seconds"] and s["host_overhead_ms_per_generated_token"] > 0
 
 
 def test_careless_lines_are_errors_of_their_own_and_the_job_goes_on(tmp_path, tiny_vision_model_dir):
