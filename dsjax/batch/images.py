@@ -20,6 +20,7 @@ import os
 import re
 import stat
 import time
+import urllib.parse
 from typing import Any, Sequence
 
 import deepseek_recipe as dr
@@ -56,10 +57,17 @@ _MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), 
 
 
 def local_path(url: str) -> str | None:
-    """The file an image URL names (a `file://` URL, or a string with no URL scheme), else None."""
-    if url.startswith("file://"):
-        return url[len("file://"):]
-    return None if _SCHEME.match(url) else url
+    """The file an image URL names (a `file:` URL, percent-decoded, on no host or `localhost`; or a
+    string with no URL scheme), else None."""
+    if url[:5].lower() == "file:":
+        parts = urllib.parse.urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise LocalImageError(f"the image URL {url[:200]!r} names a file on host {parts.netloc!r}: only "
+                                  "this machine's files can be read")
+        return urllib.parse.unquote(parts.path)
+    # A one-letter "scheme" is no URL's: `a:b.png` is a file name.
+    m = _SCHEME.match(url)
+    return url if m is None or len(m.group(0)) <= 2 else None
 
 
 def _media_type(data: bytes) -> str:
@@ -78,6 +86,8 @@ def _confined(path: str, root: str) -> str:
     """The real path of the image file `path` (relative paths from `root`), which must lie inside the
     real path of `root`. Decided from the path alone, before anything is opened, so that the message
     is the same whether or not a file outside exists."""
+    if not path:
+        raise LocalImageError("the image path is empty: give a file name, a data URL or an http(s) URL")
     if "\0" in path:
         raise LocalImageError(f"the image path {path!r} holds a NUL byte: no file has such a name")
     try:
@@ -134,7 +144,11 @@ def _read(path: str, root: str, max_bytes: int, read_timeout: float) -> tuple[st
     finally:
         os.close(fd)
     data = b"".join(chunks)
-    return _media_type(data), base64.b64encode(data).decode("ascii")
+    media = _media_type(data)
+    if media == "application/octet-stream":
+        raise LocalImageError(f"the image file {path!r} is not a PNG, JPEG, GIF or WebP image "
+                              f"({len(data)} bytes{', empty' if not data else ''})")
+    return media, base64.b64encode(data).decode("ascii")
 
 
 def inline_local_images(body: Any, root: str, max_bytes: int = 20 << 20, *,

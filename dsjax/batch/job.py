@@ -90,20 +90,39 @@ class Terminated(KeyboardInterrupt):
     """The job was stopped by SIGTERM (how Slurm, Docker and Kubernetes stop jobs), handled as Ctrl-C is."""
 
 
-@contextlib.contextmanager
-def _sigterm_stops():
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class _Stopper:
+    """SIGINT and SIGTERM while a job runs. A signal raises at once (KeyboardInterrupt, Terminated) and is
+    remembered: one that Python swallowed where it cannot raise (in a garbage-collector callback) still
+    stops the job at its next `check`. While the job finishes (closing the output, writing the summary)
+    signals are only remembered, so a second one cannot lose the summary."""
 
-    def stop(signum, frame):
-        raise Terminated()
+    def __init__(self):
+        self.signal: str | None = None
+        self.finishing = False
+        self._previous = {}
 
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def _raise(self):
+        raise Terminated() if self.signal == "SIGTERM" else KeyboardInterrupt()
+
+    def _handle(self, signum, frame):
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+        if not self.finishing:
+            self._raise()
+
+    def check(self) -> None:
+        if self.signal is not None and not self.finishing:
+            self._raise()
+
+    def __enter__(self) -> "_Stopper":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def run_job(cfg: JobConfig) -> dict[str, Any]:
@@ -118,6 +137,13 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     from dsjax.checkpoint.load import load_model
 
     main = distributed.process_index() == 0  # the process that reads and writes the output
+    with _Stopper() as stopper:
+        return _run_job(cfg, main, stopper)
+
+
+def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
+    from dsjax.checkpoint.load import load_model
+
     results: ResultsFile | _NoOutput = _NoOutput()
     setup = error = None
     t_start = time.perf_counter()
@@ -142,31 +168,40 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     stats = {"ok": 0, "failed": 0, "skipped_done": 0, "prompt_tokens": 0, "generated_tokens": 0}
     phase = {"load": 0.0, "loop": 0.0, "loop_compile": 0.0}
     stopped_by = None
-    with CompileClock() as clock, _sigterm_stops():
+    with CompileClock() as clock:
         timer = StepTimer(clock)
         try:
-            t = time.perf_counter()
-            model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights, mesh=setup.mesh)
-            phase["load"] = time.perf_counter() - t
-            with jax.set_mesh(setup.mesh) if setup.mesh is not None else contextlib.nullcontext():
-                engine = Engine(model, num_slots=cfg.max_batch, max_len=setup.context,
-                                chunk_size=min(cfg.chunk_size, setup.context), kv_dtype=cfg.kv_dtype)
-                total = _count_lines(cfg.input)
-                bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
-                t_loop, wall_loop = time.perf_counter(), time.time()
-                try:
-                    def working() -> float:  # seconds of the loop so far, less jax's compiling in it
-                        return time.perf_counter() - t_loop - clock.seconds(since=wall_loop)
+            if all(is_done(line) for line in read_lines(cfg.input)):  # nothing to do: no model to load
+                stats["skipped_done"] = sum(1 for _ in read_lines(cfg.input))
+                results.open()
+            else:
+                t = time.perf_counter()
+                model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights, mesh=setup.mesh)
+                phase["load"] = time.perf_counter() - t
+                stopper.check()
+                with jax.set_mesh(setup.mesh) if setup.mesh is not None else contextlib.nullcontext():
+                    engine = Engine(model, num_slots=cfg.max_batch, max_len=setup.context,
+                                    chunk_size=min(cfg.chunk_size, setup.context), kv_dtype=cfg.kv_dtype)
+                    stopper.check()
+                    results.open()
+                    total = _count_lines(cfg.input)
+                    bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
+                    t_loop, wall_loop = time.perf_counter(), time.time()
+                    try:
+                        def working() -> float:  # seconds of the loop so far, less jax's compiling in it
+                            return time.perf_counter() - t_loop - clock.seconds(since=wall_loop)
 
-                    _run(cfg, engine, setup.recipe, results, is_done, stats, timer, bar, working)
-                finally:
-                    bar.close()
-                    phase["loop"] = time.perf_counter() - t_loop
-                    phase["loop_compile"] = clock.seconds(since=wall_loop)
+                        _run(cfg, engine, setup.recipe, results, is_done, stats, timer, bar, working, stopper.check)
+                    finally:
+                        bar.close()
+                        phase["loop"] = time.perf_counter() - t_loop
+                        phase["loop_compile"] = clock.seconds(since=wall_loop)
         except KeyboardInterrupt as e:
-            stopped_by = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+            stopped_by = stopper.signal or ("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
         finally:
+            stopper.finishing = True
             results.close()
+    stopped_by = stopped_by or stopper.signal
     wall = time.perf_counter() - t_start
     generation = max(phase["loop"] - phase["loop_compile"], 0.0)
     summary = {
@@ -193,6 +228,7 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         "input_changed": getattr(results, "input_changed", False),
         "served_model_names": list(setup.recipe.served_names),
         "prompt_format": setup.recipe.prompt_format,
+        "output_path": os.path.abspath(cfg.output),
         "config": dataclasses.asdict(cfg),
     }
     if distributed.process_count() > 1:
@@ -260,7 +296,7 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
         raise JobError(f"image root {cfg.image_root!r} is not a folder")
     if writes:
         check_output(cfg.output, cfg.input)
-        _check_writable(summary_path(cfg.output), cfg.input, "summary")
+        _check_writable(summary_path(cfg.output), cfg.input, "summary", cfg.output)
     if not os.path.isdir(cfg.model):
         raise JobError(f"model folder {cfg.model!r} does not exist or is not a folder")
     try:
@@ -274,6 +310,7 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     if not os.path.isfile(tokenizer):
         raise JobError(f"{cfg.model!r} has no tokenizer.json: the job encodes prompts with the model's tokenizer")
     context = min(cfg.max_len, model_cfg.max_position_embeddings)
+    _check_cache_fits(model_cfg, cfg, context, mesh)
     fmt = cfg.prompt_format or prompt_format(model_cfg)
     if fmt not in PROMPT_FORMATS:
         raise JobError(f"prompt_format must be one of {sorted(PROMPT_FORMATS)} (or None: the checkpoint's), got {fmt!r}")
@@ -289,7 +326,37 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     return _Setup(model_cfg, recipe, context, mesh)
 
 
-def _check_writable(path: str, input_path: str, what: str) -> None:
+def _check_cache_fits(model_cfg: ModelConfig, cfg: JobConfig, context: int, mesh) -> None:
+    """Refuse a cache larger than all the devices' memory together (which would be found only when it is
+    allocated, by the out-of-memory killer on a CPU); `dsjax plan` tells what fits more closely."""
+    from dsjax.cache import cache_bytes_per_token
+
+    per_type = cache_bytes_per_token(model_cfg, context, _DTYPES[cfg.dtype], cfg.kv_dtype)
+    need = sum(b * model_cfg.layer_types.count(t) for t, b in per_type.items()) * context * cfg.max_batch
+    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    if devices[0].platform == "cpu":  # host devices share the machine's memory
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+        if not all(limits):
+            return
+        have = sum(limits)
+    if need > have:
+        raise JobError(f"the cache of --max-batch {cfg.max_batch} sequences of {context:,} tokens needs "
+                       f"{need / 1e9:,.1f} GB, more than the {have / 1e9:,.1f} GB the devices have: lower "
+                       "--max-batch or --max-len (`dsjax plan` estimates what fits)")
+
+
+def _summary_owner(data: bytes) -> str | None:
+    """The output a summary was written for, where it says."""
+    try:
+        owner = json.loads(data).get("output_path")
+    except (ValueError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) else None
+
+
+def _check_writable(path: str, input_path: str, what: str, output: str) -> None:
     """That `path` can be written at the end of the job, found out now (creating nothing that stays)."""
     if os.path.exists(path) and os.path.exists(input_path) and os.path.samefile(path, input_path):
         raise JobError(f"the {what} {path!r} would overwrite the input: choose another --output")
@@ -297,8 +364,11 @@ def _check_writable(path: str, input_path: str, what: str) -> None:
         if os.path.exists(path):
             if not os.path.isfile(path):
                 raise JobError(f"the {what} {path!r} is not a regular file")
-            with open(path, "r+b"):
-                pass
+            with open(path, "r+b") as f:
+                owner = _summary_owner(f.read(1 << 20))
+            if owner and os.path.exists(owner) and os.path.realpath(owner) != os.path.realpath(output):
+                raise JobError(f"the {what} {path!r} is that of another output, {owner!r} (both name it: their "
+                               "names differ only in their extension); choose another --output")
         else:
             with open(path, "xb"):
                 pass
@@ -311,6 +381,9 @@ class _NoOutput:
     """The output of a process other than 0 in a multi-process run: it writes nothing."""
 
     repaired_bytes = 0
+
+    def open(self) -> None:
+        pass
 
     def write(self, record: dict[str, Any]) -> None:
         pass
@@ -381,7 +454,8 @@ def _done_on_process_0(cfg: JobConfig, results) -> Callable[[InputLine], bool]:
     return lambda line: line.line_no in done_lines
 
 
-def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Callable[[], float]) -> None:
+def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Callable[[], float],
+         check_stop: Callable[[], None]) -> None:
     preps: dict[int, Prepared] = {}  # requests handed to the scheduler and not finished yet
     streams = {}
     next_index = itertools.count()
@@ -395,6 +469,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
     def requests() -> Iterator[Request]:
         window: list[Prepared] = []
         for line in read_lines(cfg.input):
+            check_stop()
             if is_done(line):
                 stats["skipped_done"] += 1
                 bar.update(1)
@@ -430,6 +505,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
                           spliced)
 
     for ev in run(engine, requests(), cancelled, timer):
+        check_stop()
         prep = preps[ev.index]
         stream = streams.get(ev.index)
         if stream is None:

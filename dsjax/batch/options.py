@@ -57,7 +57,71 @@ def _messages_tool_choice(value: Any) -> str | None:
     if isinstance(value, dict) and value.get("disable_parallel_tool_use") is True:
         return ("tool_choice.disable_parallel_tool_use is not supported: dsjax cannot limit the model to one "
                 "tool call; drop it")
+    if isinstance(value, dict) and value.get("type") in ("any", "tool"):
+        return (f"tool_choice of type {value['type']!r} makes a tool call required, which needs constrained "
+                "decoding; dsjax does not do that yet")
     return None
+
+
+def _positive(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"it must be a positive integer, got {value!r}"
+    return None
+
+
+def _tools(value: Any) -> str | None:
+    """Strict tool schemas are structured outputs; server tools (web search and the like) run nowhere."""
+    if not isinstance(value, list):
+        return None
+    for tool in value:
+        if not isinstance(tool, dict):
+            continue
+        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        if fn.get("strict") is True:
+            return ("a tool with strict: true needs its arguments enforced by constrained decoding, which dsjax "
+                    "does not do yet; drop strict")
+        if tool.get("type") not in (None, "function", "custom") and "input_schema" not in tool:
+            return f"the tool type {tool.get('type')!r} is a hosted tool: a batch job runs no tools; drop it"
+    return None
+
+
+def _reasoning(value: Any) -> str | None:
+    if isinstance(value, dict) and value.get("summary") is not None:
+        return "reasoning.summary is not supported: dsjax returns the reasoning itself, not a summary; drop it"
+    return None
+
+
+# Content a model without a document reader would see as a placeholder: refused, as images are for
+# models that read none.
+_DOCUMENTS = {"input_file", "file", "document", "search_result", "input_audio", "container_upload"}
+_RESPONSES_ITEMS = {None, "message", "function_call", "function_call_output", "reasoning", "item_reference"}
+
+
+def _parts(value: Any, where: str) -> str | None:
+    """Documents, files and audio anywhere in a conversation; unknown Responses input items."""
+    if isinstance(value, list):
+        for x in value:
+            if (why := _parts(x, where)) is not None:
+                return why
+        return None
+    if not isinstance(value, dict):
+        return None
+    kind = value.get("type")
+    if kind in _DOCUMENTS:
+        return f"content of type {kind!r} is not supported: the model reads text (and images, where it has an encoder)"
+    for k, v in value.items():
+        if k != "tools" and (why := _parts(v, where)) is not None:
+            return why
+    return None
+
+
+def _responses_input(value: Any) -> str | None:
+    if isinstance(value, list):
+        for item in value:
+            kind = item.get("type") if isinstance(item, dict) else None
+            if isinstance(item, dict) and kind not in _RESPONSES_ITEMS:
+                return f"input items of type {kind!r} are not supported"
+    return _parts(value, "input")
 
 
 _PENALTY = "dsjax's sampler has no {} penalty; drop it or set it to 0"
@@ -71,9 +135,12 @@ _BOOKKEEPING = {k: _ANY for k in ("user", "metadata", "store", "service_tier", "
 OPTIONS: dict[str, dict[str, Callable[[Any], str | None]]] = {
     "/v1/chat/completions": {
         **_BOOKKEEPING,
-        **{k: _ANY for k in ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                             "seed", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "thinking",
-                             "reasoning_effort", "n", "stream_options")},
+        **{k: _ANY for k in ("model", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs",
+                             "tool_choice", "thinking", "reasoning_effort", "n", "stream_options")},
+        "messages": lambda v: _parts(v, "messages"),
+        "tools": _tools,
+        "max_tokens": _positive,
+        "max_completion_tokens": _positive,
         "stream": _STREAM,
         "parallel_tool_calls": _PARALLEL,
         "response_format": lambda v: _format(v, "response_format"),
@@ -83,8 +150,11 @@ OPTIONS: dict[str, dict[str, Callable[[Any], str | None]]] = {
     },
     "/v1/responses": {
         **_BOOKKEEPING,
-        **{k: _ANY for k in ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
-                             "tools", "tool_choice", "reasoning", "top_logprobs")},
+        **{k: _ANY for k in ("model", "instructions", "temperature", "top_p", "tool_choice", "top_logprobs")},
+        "input": _responses_input,
+        "tools": _tools,
+        "reasoning": _reasoning,
+        "max_output_tokens": _positive,
         "stream": _STREAM,
         "parallel_tool_calls": _PARALLEL,
         "text": _text,
@@ -97,8 +167,11 @@ OPTIONS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "prompt": lambda v: _NO_STATE,
     },
     "/v1/messages": {
-        **{k: _ANY for k in ("model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
-                             "thinking", "tools", "metadata", "service_tier")},
+        **{k: _ANY for k in ("model", "system", "stop_sequences", "temperature", "top_p", "thinking", "metadata",
+                             "service_tier")},
+        "messages": lambda v: _parts(v, "messages"),
+        "tools": _tools,
+        "max_tokens": _positive,
         "stream": _STREAM,
         "tool_choice": _messages_tool_choice,
         "top_k": lambda v: "dsjax's sampler has no top-k; drop it (top_p is supported)",

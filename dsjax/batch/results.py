@@ -4,8 +4,8 @@ Re-opening an existing output resumes it: the records already there say which in
 a re-run writes exactly the missing ones, and a torn last line (a crash mid-write) is cut off. Only a
 file that is recognisably a dsjax batch output is ever changed: anything else is refused before any
 work, naming the file. Beside the output live two small files: `<output>.lock`, held while a job writes
-it (a second job on the same output is refused at once), and `<stem>.input.json`, the fingerprint of the
-input the output was made from (a resume from a changed input is refused unless asked for).
+it (a second job on the same output is refused at once), and `<output>.input.json`, the fingerprint of
+the input the output was made from (a resume from a changed input is refused unless asked for).
 """
 
 from __future__ import annotations
@@ -75,11 +75,12 @@ def is_record(obj: Any) -> bool:
 
 
 def lock_path(output: str) -> str:
-    return output + ".lock"
+    """Beside the real file: two paths to one output (a symbolic link) take the same lock."""
+    return os.path.realpath(output) + ".lock"
 
 
 def fingerprint_path(output: str) -> str:
-    return os.path.splitext(output)[0] + ".input.json"
+    return output + ".input.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,9 @@ def check_output(path: str, input_path: str | None = None) -> None:
     """Raise JobError if `path` cannot be a job's output: its folder is missing, it (or its lock or
     fingerprint) is the input, or it exists and is no regular file (a pipe, a device, a folder)."""
     parent = os.path.dirname(os.path.abspath(path))
+    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
+        raise JobError(f"output {path!r} is a device or a process's file: the job keeps its lock, input "
+                       "fingerprint and summary beside the output, so give a path in a folder of files")
     if not os.path.isdir(parent):
         raise JobError(f"output folder {parent!r} does not exist")
     if input_path is not None:
@@ -119,8 +123,6 @@ def check_output(path: str, input_path: str | None = None) -> None:
             if (os.path.exists(p) and _same_file(p, input_path)) or os.path.realpath(p) == os.path.realpath(input_path):
                 raise JobError(f"the {what} {p!r} is the input file: the job would write into the file it "
                                "reads; choose another --output")
-    if os.path.lexists(path) and not os.path.exists(path):
-        raise JobError(f"output {path!r} is a symbolic link to nothing: give a file path")
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise JobError(f"output {path!r} is not a regular file (a pipe, device or folder): the job reads an "
                        "existing output to resume it, so it writes only to files")
@@ -144,16 +146,28 @@ class ResultsFile:
         try:
             self._lock()
             records = self._load_existing() if os.path.exists(path) else 0
+            self._fingerprint = None
             if input_path is not None:
-                self._check_fingerprint(InputFingerprint.of(input_path), records, allow_changed_input)
-            try:
-                self._f = open(path, "ab")
-            except OSError as e:
-                raise JobError(f"cannot write output {path!r}: {e.strerror or e}") from None
+                self._fingerprint = self._check_fingerprint(InputFingerprint.of(input_path), records,
+                                                            allow_changed_input)
+            if os.path.exists(path) and not os.access(path, os.W_OK):
+                raise JobError(f"cannot write output {path!r}: permission denied")
         except BaseException:
             self._unlock()
             raise
         self._last_sync = time.monotonic()
+
+    def open(self) -> None:
+        """Create the output (and its fingerprint) if need be: the job calls it once its model is loaded,
+        so a job that fails before any work leaves no files behind but those that were there."""
+        if self._f is not None:
+            return
+        if self._fingerprint is not None:
+            self._write_fingerprint(self._fingerprint)
+        try:
+            self._f = open(self.path, "ab")
+        except OSError as e:
+            raise JobError(f"cannot write output {self.path!r}: {e.strerror or e}") from None
 
     # ---------------------------------------------------------------- the lock
     def _lock(self) -> None:
@@ -206,35 +220,46 @@ class ResultsFile:
         """Read the records already written; cut a torn last line. Returns how many records there are."""
         good_end = records = 0
         torn = None
+        self._missing_newline = False
         try:
             with open(self.path, "rb") as f:
                 for line_no, raw in enumerate(f, start=1):
                     if torn is not None:  # a bad line that was not the last
                         raise self._not_ours(f"line {torn} is not a record")
-                    rec = None
-                    if raw.endswith(b"\n"):
-                        try:
-                            rec = json.loads(raw)
-                        except (ValueError, RecursionError):
-                            rec = None
-                    if rec is None or not is_record(rec):
-                        if rec is not None or not _torn(raw):
+                    try:
+                        rec = json.loads(raw)
+                        parsed = True
+                    except (ValueError, RecursionError):
+                        rec, parsed = None, False
+                    if not is_record(rec):
+                        # A whole JSON value is no torn write; zeros are, after this job's records only.
+                        if parsed or not _torn(raw) or (not raw.strip(b"\0\n") and not records):
                             raise self._not_ours(f"line {line_no} is not a record of a dsjax batch output")
                         torn = line_no
                         continue
+                    if not raw.endswith(b"\n"):  # a whole record whose newline was not written
+                        self.done.add(record_key(rec))
+                        self._missing_newline = True
+                        records += 1
+                        break
                     self.done.add(record_key(rec))
                     good_end += len(raw)
                     records += 1
                 end = f.tell()
         except OSError as e:
             raise JobError(f"cannot read the existing output {self.path!r}: {e.strerror or e}") from None
-        if good_end < end:
+        if good_end < end and not self._missing_newline:
             self.repaired_bytes = end - good_end
             with open(self.path, "r+b") as f:
                 f.truncate(good_end)
+        elif self._missing_newline:
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
+            self.repaired_bytes = 1
         return records
 
-    def _check_fingerprint(self, now: InputFingerprint, records: int, allow_changed: bool) -> None:
+    def _check_fingerprint(self, now: InputFingerprint, records: int, allow_changed: bool) -> InputFingerprint | None:
+        """Refuse a changed input (unless `allow_changed`); the fingerprint to write, if it must be."""
         fp = fingerprint_path(self.path)
         before = None
         if records and os.path.exists(fp):
@@ -253,20 +278,24 @@ class ResultsFile:
                     "inputs. Choose another --output, or pass --allow-changed-input to go on (lines whose "
                     "custom_id already has a record are skipped)")
             self.input_changed = True
-        if before is None or self.input_changed:
-            tmp = fp + f".tmp{os.getpid()}"
-            try:
-                with open(tmp, "w") as f:
-                    json.dump(dataclasses.asdict(now), f, indent=1)
-                os.replace(tmp, fp)
-            except OSError as e:
-                raise JobError(f"cannot write the output's input fingerprint {fp!r}: {e.strerror or e}") from None
+        return now if before is None or self.input_changed else None
+
+    def _write_fingerprint(self, now: InputFingerprint) -> None:
+        fp = fingerprint_path(self.path)
+        tmp = fp + f".tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(dataclasses.asdict(now), f, indent=1)
+            os.replace(tmp, fp)
+        except OSError as e:
+            raise JobError(f"cannot write the output's input fingerprint {fp!r}: {e.strerror or e}") from None
 
     # ---------------------------------------------------------------- writing
     def is_done(self, line: InputLine) -> bool:
         return line_key(line) in self.done
 
     def write(self, record: dict[str, Any]) -> None:
+        self.open()
         self._f.write(encode_record(record))
         self._f.flush()
         now = time.monotonic()

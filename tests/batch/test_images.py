@@ -5,6 +5,7 @@ import base64
 import io
 import json
 import os
+import re
 import struct
 import threading
 import time
@@ -173,7 +174,7 @@ def test_fifos_directories_and_devices_are_refused_without_blocking(tmp_path):
     (tmp_path / "dir.png").mkdir()
     start = time.monotonic()
     for url, kind in (("pipe.png", "a FIFO"), ("link.png", "a FIFO"), ("dir.png", "a directory"),
-                      (".", "a directory"), ("", "a directory")):
+                      (".", "a directory")):
         e = _never_blocks(lambda: inline_local_images(_chat(url), str(tmp_path)))
         assert isinstance(e, LocalImageError), e
         assert str(e) == f"the image path {url!r} is {kind}, not a regular file: an image must be a file"
@@ -184,17 +185,18 @@ def test_fifos_directories_and_devices_are_refused_without_blocking(tmp_path):
 
 
 def test_reading_has_a_time_limit(tmp_path):
-    (tmp_path / "pic.png").write_bytes(bytes(100))
+    data = b"\x89PNG\r\n\x1a\n" + bytes(92)
+    (tmp_path / "pic.png").write_bytes(data)
     assert "took over 0 s, the time limit of one image" in _refusal("pic.png", tmp_path, read_timeout=0)
     assert _inlined(inline_local_images(_chat("pic.png"), str(tmp_path), read_timeout=5)).endswith(
-        base64.b64encode(bytes(100)).decode())
+        base64.b64encode(data).decode())
 
 
 def test_a_file_over_the_size_limit_is_too_large(tmp_path):
     (tmp_path / "big.png").write_bytes(base64.b64decode(_data_url().split(",", 1)[1]) + bytes(1000))
     assert "'big.png' is too large: " in _refusal("big.png", tmp_path, max_bytes=1000)
     assert "over the 1000-byte limit of one image" in _refusal("big.png", tmp_path, max_bytes=1000)
-    (tmp_path / "exact.png").write_bytes(bytes(1000))
+    (tmp_path / "exact.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(992))
     assert inline_local_images(_chat("exact.png"), str(tmp_path), max_bytes=1000)
 
 
@@ -275,3 +277,26 @@ def test_the_recipes_limit_on_pixels_is_the_one_named():
     assert e.value.kind == "ImageDimensionsTooLarge" and "unsupported image" in str(e.value)
     assert image_error_message(e.value) == ("image[0]: the image is too large in pixels: deepseek-recipe decodes "
                                             f"images of at most {RECIPE_MAX_SIDE_PX} pixels a side")
+
+
+def test_file_urls_and_names_are_read_as_a_user_means_them(tmp_path):
+    from dsjax.batch.images import LocalImageError, inline_local_images, local_path
+
+    assert local_path("file://localhost/x/a%20b.png") == "/x/a b.png"
+    assert local_path("FILE:///x/c.png") == "/x/c.png" and local_path("a:b.png") == "a:b.png"
+    with pytest.raises(LocalImageError, match="on host 'elsewhere'"):
+        local_path("file://elsewhere/x.png")
+    png = base64.b64decode(_data_url().split(",", 1)[1])
+    (tmp_path / "a b.png").write_bytes(png)
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "notes.png").write_text("just text")
+
+    def part(url):
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+
+    out = inline_local_images(part(f"file://{tmp_path}/a%20b.png".replace(" ", "%20")), str(tmp_path))
+    assert out["messages"][0]["content"][0]["image_url"]["url"].startswith("data:image/png;base64,")
+    for url, says in (("", "the image path is empty"), ("empty.png", "not a PNG, JPEG, GIF or WebP image (0 bytes, empty)"),
+                      ("notes.png", "'notes.png' is not a PNG, JPEG, GIF or WebP image")):
+        with pytest.raises(LocalImageError, match=re.escape(says)):
+            inline_local_images(part(url), str(tmp_path))

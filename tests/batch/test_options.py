@@ -18,7 +18,12 @@ CHAT, RESP, MSG = "/v1/chat/completions", "/v1/responses", "/v1/messages"
             "text": {"format": {"type": "text"}, "verbosity": "medium"}, "truncation": "disabled",
             "include": ["reasoning.encrypted_content"], "store": True, "background": False, "top_logprobs": 1}),
     (MSG, {"model": "m", "messages": [], "max_tokens": 3, "system": "s", "stop_sequences": ["x"], "metadata": {},
-           "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"}, "stream": False}),
+           "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"}, "stream": False,
+           "tools": [{"name": "f", "input_schema": {"type": "object"}}]}),
+    (RESP, {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                    {"type": "function_call_output", "call_id": "c", "output": "ok"}],
+            "tools": [{"type": "function", "name": "f", "parameters": {}}], "reasoning": {"effort": "high"}}),
 ])
 def test_options_that_work_pass(url, body):
     assert unsupported_option(url, body) is None
@@ -46,6 +51,22 @@ def test_options_that_work_pass(url, body):
     (MSG, "top_k", 40, "top-k"),
     (MSG, "tool_choice", {"type": "auto", "disable_parallel_tool_use": True}, "one tool call"),
     (MSG, "output_format", {"type": "json_schema", "schema": {}}, "not supported by dsjax"),
+    (CHAT, "max_completion_tokens", 0, "positive integer"),
+    (CHAT, "max_tokens", True, "positive integer"),
+    (RESP, "max_output_tokens", -3, "positive integer"),
+    (MSG, "max_tokens", 2.5, "positive integer"),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {}}}], "strict"),
+    (RESP, "tools", [{"type": "function", "name": "f", "strict": True, "parameters": {}}], "strict"),
+    (RESP, "tools", [{"type": "web_search"}], "hosted tool"),
+    (MSG, "tools", [{"type": "web_search_20250305", "name": "web_search"}], "hosted tool"),
+    (MSG, "tool_choice", {"type": "any"}, "required"),
+    (MSG, "tool_choice", {"type": "tool", "name": "f"}, "required"),
+    (RESP, "reasoning", {"effort": "high", "summary": "auto"}, "reasoning.summary"),
+    (RESP, "input", [{"type": "bogus"}], "'bogus'"),
+    (RESP, "input", [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}], "'input_file'"),
+    (MSG, "messages", [{"role": "user", "content": [{"type": "document", "source": {}}]}], "'document'"),
+    (CHAT, "messages", [{"role": "user", "content": [{"type": "file", "file": {}}]}], "'file'"),
+    (CHAT, "messages", [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "'input_audio'"),
 ])
 def test_options_that_would_be_ignored_are_refused_by_name(url, key, value, says):
     err = unsupported_option(url, {"model": "m", key: value})

@@ -120,9 +120,8 @@ def test_outputs_that_are_not_regular_files_are_refused_without_blocking(tmp_pat
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     (tmp_path / "dir").mkdir()
-    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
-    for out, why in ((fifo, "not a regular file"), ("/dev/null", "not a regular file"),
-                     (tmp_path / "dir", "not a regular file"), (tmp_path / "dangling", "link to nothing")):
+    for out, why in ((fifo, "not a regular file"), ("/dev/null", "a device or a process"),
+                     (tmp_path / "dir", "not a regular file")):
         with pytest.raises(JobError, match=why):
             ResultsFile(str(out), str(inp))
 
@@ -141,6 +140,7 @@ def test_a_changed_input_is_refused_unless_asked_for(tmp_path):
         ResultsFile(out, str(inp))
     with ResultsFile(out, str(inp), allow_changed_input=True) as f:
         assert f.input_changed and f.is_done(line(1, "a"))
+        f.open()  # the new fingerprint is written when the job starts writing
     with ResultsFile(out, str(inp)) as f:  # the fingerprint now is the new input's
         assert not f.input_changed
 
@@ -157,3 +157,38 @@ def test_text_that_is_not_unicode_is_written_as_escapes_and_read_back(tmp_path):
     assert "ünïcode".encode() in raw  # text that can be written as itself is
     with ResultsFile(out, str(inp)) as f:
         assert f.is_done(weird) and f.is_done(line(2, "ünïcode"))
+
+
+def test_two_paths_to_one_output_take_one_lock(tmp_path):
+    inp, out = tmp_path / "in.jsonl", str(tmp_path / "o.jsonl")
+    inp.write_text("{}\n")
+    os.symlink("o.jsonl", tmp_path / "alias.jsonl")
+    with ResultsFile(out, str(inp)):
+        with pytest.raises(JobError, match="being written by another dsjax job"):
+            ResultsFile(str(tmp_path / "alias.jsonl"), str(inp))
+
+
+def test_whole_json_without_its_newline_is_no_torn_record(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text("{}\n")
+    for content in (b'{"id": "batch_req_mine", "note": "x"}', b"\0" * 4096):
+        out.write_bytes(content)
+        with pytest.raises(JobError, match="not an output of this job"):
+            ResultsFile(str(out), str(inp))
+        assert out.read_bytes() == content
+    whole = b'{"id": "batch_req_1", "custom_id": "a", "response": null, "error": null}'
+    out.write_bytes(whole)  # a record whose newline was never written: kept, and the newline added
+    with ResultsFile(str(out), str(inp)) as f:
+        assert f.is_done(line(1, "a"))
+    assert out.read_bytes() == whole + b"\n"
+
+
+def test_nothing_is_created_before_the_job_starts_writing(tmp_path):
+    inp, out = tmp_path / "in.jsonl", str(tmp_path / "o.jsonl")
+    inp.write_text("{}\n")
+    f = ResultsFile(out, str(inp))
+    assert not os.path.exists(out) and not os.path.exists(fingerprint_path(out))
+    f.open()
+    assert os.path.exists(out) and os.path.exists(fingerprint_path(out))
+    f.close()
+    assert fingerprint_path(out) == out + ".input.json"
