@@ -508,3 +508,11 @@ def test_a_stop_signal_python_swallowed_still_stops_the_job():
         time.sleep(0.1)
         stop.check()
         assert stop.signal == "SIGTERM"
+
+
+def test_a_cache_larger_than_the_devices_is_refused_before_loading(tmp_path, tiny_model_dir):
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED[:1])
+    with pytest.raises(JobError, match=r"--max-batch 10000000 sequences of 512 tokens needs .* GB, more than"):
+        run_job(JobConfig(model=tiny_model_dir, input=inp, output=str(tmp_path / "o.jsonl"),
+                          **{**JOB, "max_batch": 10_000_000}))
+    assert os.listdir(tmp_path) == ["in.jsonl"]
