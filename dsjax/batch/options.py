@@ -193,6 +193,11 @@ def unsupported_option(url: str, body: dict[str, Any]) -> ErrorInfo | None:
         why = check(value)
         if why is not None:
             return ErrorInfo("unsupported_parameter", f"the option {_name(key)} is not supported: {why}")
+    choice = body.get("tool_choice")
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if kind not in (None, "none", "auto") and not body.get("tools"):
+        return ErrorInfo("unsupported_parameter", "the option 'tool_choice' asks for a tool call, but the request "
+                                                  "declares no tools")
     return None
 
 

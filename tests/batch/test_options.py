@@ -74,6 +74,15 @@ def test_options_that_would_be_ignored_are_refused_by_name(url, key, value, says
     assert repr(key) in err.message and says in err.message
 
 
+def test_a_tool_choice_without_tools_is_refused():
+    for url, choice in ((CHAT, "required"), (RESP, "required"),
+                        (CHAT, {"type": "function", "function": {"name": "f"}})):
+        err = unsupported_option(url, {"model": "m", "tool_choice": choice})
+        assert err.code == "unsupported_parameter" and "declares no tools" in err.message
+    assert unsupported_option(CHAT, {"model": "m", "tool_choice": "none"}) is None
+    assert unsupported_option(MSG, {"model": "m", "tool_choice": {"type": "auto"}}) is None
+
+
 def test_constraints_only_decoding_could_keep_are_refused():
     assert unenforced_constraint(None) is None and unenforced_constraint("tool_call") is None
     for kind in ("tool_call_required", "json", "regex"):
