@@ -31,7 +31,7 @@ from tqdm import tqdm
 from dsjax.batch.images import ImageResolver
 from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
 from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
-from dsjax.batch.results import ResultsFile, check_output, error_record, success_record
+from dsjax.batch.results import InputFingerprint, ResultsFile, check_output, error_record, success_record
 from dsjax.config import ModelConfig
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.generate import request_seed
@@ -78,9 +78,8 @@ def _count_lines(path: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Setup:
-    """What the checks before any work found: the model's config, the recipe, the mesh."""
+    """What the checks before any work found: the recipe, the context length, the mesh."""
 
-    model_cfg: ModelConfig
     recipe: Recipe
     context: int
     mesh: Any
@@ -134,8 +133,6 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     multi-process run every process calls this with the same settings; only process 0 writes the
     output and the summary (the others return it).
     """
-    from dsjax.checkpoint.load import load_model
-
     main = distributed.process_index() == 0  # the process that reads and writes the output
     with _Stopper() as stopper:
         return _run_job(cfg, main, stopper)
@@ -225,7 +222,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
         "interrupted": stopped_by is not None,
         "signal": stopped_by,
         "repaired_torn_bytes": results.repaired_bytes,
-        "input_changed": getattr(results, "input_changed", False),
+        "input_changed": results.input_changed,
         "served_model_names": list(setup.recipe.served_names),
         "prompt_format": setup.recipe.prompt_format,
         "output_path": os.path.abspath(cfg.output),
@@ -323,7 +320,7 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
                         images=ImageResolver(allow_remote=cfg.allow_remote_images), image_root=image_root)
     except ValueError as e:
         raise JobError(str(e)) from None
-    return _Setup(model_cfg, recipe, context, mesh)
+    return _Setup(recipe, context, mesh)
 
 
 def _check_cache_fits(model_cfg: ModelConfig, cfg: JobConfig, context: int, mesh) -> None:
@@ -381,6 +378,7 @@ class _NoOutput:
     """The output of a process other than 0 in a multi-process run: it writes nothing."""
 
     repaired_bytes = 0
+    input_changed = False
 
     def open(self) -> None:
         pass
@@ -393,11 +391,7 @@ class _NoOutput:
 
 
 def _sha256(path: str) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.digest()
+    return bytes.fromhex(InputFingerprint.of(path).sha256)
 
 
 def _settings_digest(cfg: JobConfig, tokenizer: str) -> bytes:

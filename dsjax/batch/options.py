@@ -97,11 +97,11 @@ _DOCUMENTS = {"input_file", "file", "document", "search_result", "input_audio", 
 _RESPONSES_ITEMS = {None, "message", "function_call", "function_call_output", "reasoning", "item_reference"}
 
 
-def _parts(value: Any, where: str) -> str | None:
+def _parts(value: Any) -> str | None:
     """Documents, files and audio anywhere in a conversation; unknown Responses input items."""
     if isinstance(value, list):
         for x in value:
-            if (why := _parts(x, where)) is not None:
+            if (why := _parts(x)) is not None:
                 return why
         return None
     if not isinstance(value, dict):
@@ -110,7 +110,7 @@ def _parts(value: Any, where: str) -> str | None:
     if kind in _DOCUMENTS:
         return f"content of type {kind!r} is not supported: the model reads text (and images, where it has an encoder)"
     for k, v in value.items():
-        if k != "tools" and (why := _parts(v, where)) is not None:
+        if k != "tools" and (why := _parts(v)) is not None:
             return why
     return None
 
@@ -121,7 +121,7 @@ def _responses_input(value: Any) -> str | None:
             kind = item.get("type") if isinstance(item, dict) else None
             if isinstance(item, dict) and kind not in _RESPONSES_ITEMS:
                 return f"input items of type {kind!r} are not supported"
-    return _parts(value, "input")
+    return _parts(value)
 
 
 _PENALTY = "dsjax's sampler has no {} penalty; drop it or set it to 0"
@@ -137,7 +137,7 @@ OPTIONS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         **_BOOKKEEPING,
         **{k: _ANY for k in ("model", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs",
                              "tool_choice", "thinking", "reasoning_effort", "n", "stream_options")},
-        "messages": lambda v: _parts(v, "messages"),
+        "messages": _parts,
         "tools": _tools,
         "max_tokens": _positive,
         "max_completion_tokens": _positive,
@@ -169,7 +169,7 @@ OPTIONS: dict[str, dict[str, Callable[[Any], str | None]]] = {
     "/v1/messages": {
         **{k: _ANY for k in ("model", "system", "stop_sequences", "temperature", "top_p", "thinking", "metadata",
                              "service_tier")},
-        "messages": lambda v: _parts(v, "messages"),
+        "messages": _parts,
         "tools": _tools,
         "max_tokens": _positive,
         "stream": _STREAM,

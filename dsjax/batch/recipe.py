@@ -92,7 +92,11 @@ RECIPE_NAMES = {"v4": "DeepSeek-V4-Pro", "v4.1": "DeepSeek-V4.1-Flash"}
 def prompt_format(cfg: ModelConfig) -> str:
     """The prompt format a checkpoint was trained on: V4.1's for a model that reads images (only the V4.1
     family does; V4's encoding renders no images), else V4's."""
-    return "v4.1" if cfg.vision is not None else "v4"
+    return _format_for(cfg.vision)
+
+
+def _format_for(vision: VisionConfig | None) -> str:
+    return "v4.1" if vision is not None else "v4"
 
 
 def default_served_names(model_dir: str, fmt: str) -> tuple[str, ...]:
@@ -106,17 +110,18 @@ class Recipe:
     """Converts batch lines with the recipe; `context_limit` bounds prompt + max_tokens.
 
     Prompts are encoded in the checkpoint's `prompt_format` ("v4" or "v4.1"; by default V4.1's with
-    `vision`, else V4's), whatever a request's model name; a request must name one of `served_names` (responses carry the name it used). With `vision`
-    (the model's image encoder config) requests may hold images: `images` resolves them (remote URLs
-    refused unless it allows them), local image files are read from `image_root`, and each image's
-    placeholder is expanded to the encoder's token count for it (`Prepared.images`). Raises ValueError
+    `vision`, else V4's), whatever a request's model name; a request must name one of `served_names`
+    (responses carry the name it used). With `vision` (the model's image encoder config) requests may
+    hold images: `images` resolves them (remote URLs refused unless it allows them), local image files
+    are read from `image_root`, and each image's placeholder is expanded to the encoder's token count
+    for it (`Prepared.images`). Raises ValueError
     naming the file when the tokenizer cannot be read or cannot encode the prompt format."""
 
     def __init__(self, tokenizer_path: str, context_limit: int, eos_token_ids: tuple[int, ...],
                  prompt_format: str | None = None, served_names: Sequence[str] = (),
                  vision: VisionConfig | None = None, images: ImageResolver | None = None, image_root: str = "."):
         if prompt_format is None:
-            prompt_format = "v4.1" if vision is not None else "v4"
+            prompt_format = _format_for(vision)
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {sorted(PROMPT_FORMATS)}, got {prompt_format!r}")
         try:

@@ -21,15 +21,17 @@ class CompileClock:
     """A context manager that records jax's compile-time spans while it is entered (from any thread)."""
 
     def __init__(self):
-        self._spans: list[tuple[float, float]] = []
+        self._spans: list[tuple[float, float]] = []  # merged: sorted, disjoint
+        self._total = 0.0
         self.programs = 0  # executables built or loaded
         self.cache_hits = 0  # of those, loaded from the persistent compilation cache
         self._mu = threading.Lock()
 
     def _span(self, event: str, start: float, end: float, **_) -> None:
         if event in _PHASES:
-            with self._mu:
-                self._spans.append((start, end))
+            with self._mu:  # spans come only while compiling: merging here keeps `seconds()` cheap
+                self._spans = _merged([*self._spans, (start, end)])
+                self._total = sum(e - s for s, e in self._spans)
                 self.programs += event == _COMPILED
 
     def _event(self, event: str, **_) -> None:
@@ -49,11 +51,16 @@ class CompileClock:
     def seconds(self, since: float | None = None) -> float:
         """Wall seconds covered by compile spans (those after `since`, a `time.time()`, if given)."""
         with self._mu:
-            spans = sorted((max(s, since), e) if since is not None else (s, e) for s, e in self._spans
-                           if since is None or e > since)
-        total, reach = 0.0, float("-inf")
-        for start, end in spans:
-            if end > reach:
-                total += end - max(start, reach)
-                reach = end
-        return total
+            if since is None:
+                return self._total
+            return sum(e - max(s, since) for s, e in self._spans if e > since)
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
