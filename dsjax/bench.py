@@ -28,7 +28,7 @@ from flax import nnx
 
 from dsjax.cache import layer_cache
 from dsjax.config import CSA, HCA, ModelConfig
-from dsjax.engine.sampling import SamplingArrays, SamplingParams
+from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.scheduler import Request, run
 from dsjax.engine.steps import Engine
 from dsjax.info import component
@@ -345,8 +345,9 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, k
     engine = Engine(model, num_slots=batch, max_len=prompt_len + gen_len, chunk_size=chunk_size,
                     kv_dtype=kv_dtype)
     requests = _requests(cfg, batch, prompt_len, gen_len, seed)
+    engine.precompile(modes=[SamplingModes.of([requests[0].sampling])])  # every program, in parallel
     _timed_run(engine, [dataclasses.replace(r, sampling=SamplingParams(temperature=0.0, max_tokens=2))
-                        for r in requests])  # compiles the prefill chunk and the decode step
+                        for r in requests])  # a first run of each step, outside the measurement
     compiled = Engine.compilations()
     prefill_s, decode_s, steps = _timed_run(engine, requests)
     if Engine.compilations() != compiled:
@@ -372,7 +373,7 @@ def decode_breakdown(engine: Engine, batch: int, context: int, steps: int = 8, s
                      trace_dir: str | None = None) -> dict:
     """Per-step seconds of each part of the decode step (`attribute_trace`), from `steps` steps on a
     cache whose slots all hold `context` tokens, fed random tokens (the hash routers pick experts by
-    token id: equal tokens would touch few experts). Cache contents are zeros: the work does not
+    token id: equal tokens would touch few experts). The sampler, a program of its own, is not in it. Cache contents are zeros: the work does not
     depend on them. `trace_dir` keeps the profiler trace (for Perfetto or TensorBoard)."""
     if jax.default_backend() == "cpu":  # XLA:CPU's traces have no kernel events to attribute
         return {}
@@ -384,18 +385,18 @@ def decode_breakdown(engine: Engine, batch: int, context: int, steps: int = 8, s
     sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * batch, [0] * batch)
     cache, _ = engine.decode(cache, tokens[-1], active, sampling)  # compiled already; warms the caches
     jax.block_until_ready(cache)
-    lowered = engine.lower_decode(cache, tokens[0], active, sampling)
+    lowered = engine.lower_decode(cache, tokens[0], active)
     # On GPUs XLA replays runs of kernels as CUDA graphs, whose kernels the trace names only by their
     # graph; compiled without them, every kernel carries its HLO instruction. Kernel times are the same.
     options = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     with tempfile.TemporaryDirectory() as tmp:
         d = trace_dir or tmp
-        cache, _ = compiled(engine.params, cache, tokens[0], active, sampling)  # first run outside the trace
+        cache, _, _ = compiled(engine.params, cache, tokens[0], active)  # first run outside the trace
         with jax.profiler.trace(d):
             for t in tokens[:steps]:
-                cache, sampled = compiled(engine.params, cache, t, active, sampling)
-            jax.block_until_ready((cache, sampled))
+                cache, logits, _ = compiled(engine.params, cache, t, active)
+            jax.block_until_ready((cache, logits))
         return attribute_trace(d, compiled.as_text(), steps)
 
 

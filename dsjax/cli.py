@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
+from dsjax.compile_cache import compile_cache
 from dsjax.config import ModelConfig
 from dsjax.parallel import distributed
 
@@ -118,6 +120,10 @@ def _generate(args: argparse.Namespace) -> int:
     if args.demo and distributed.spec_from(args) is not None:
         raise ValueError("--demo runs on one process: drop --coordinator, --num-processes, --process-id and "
                          "--distributed (and unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    if args.demo or args.dtype == "float32":
+        from dsjax.compile_cache import use_float32_gpu_flags
+
+        use_float32_gpu_flags()  # before anything starts a jax backend
     distributed.initialize_from(args)  # before anything starts a jax backend
     from dsjax.batch.job import JobConfig, Terminated, format_summary, run_job, summary_path
 
@@ -126,7 +132,7 @@ def _generate(args: argparse.Namespace) -> int:
             raise ValueError("--demo runs the embedded model on its bundled requests: drop --model and --input")
         from dsjax.demo import run_demo
 
-        s = run_demo(args.output, progress=not args.quiet)
+        s = run_demo(args.output, progress=not args.quiet, verbose=args.verbose)
         return 0 if s["requests_failed"] == 0 else 1
     missing = [flag for flag, v in (("--model", args.model), ("--input", args.input), ("--output", args.output))
                if not v]
@@ -138,7 +144,7 @@ def _generate(args: argparse.Namespace) -> int:
                     allow_remote_images=args.allow_remote_images, served_model_names=tuple(args.served_model_name),
                     prompt_format=args.prompt_format,
                     image_root=args.image_root, allow_changed_input=args.allow_changed_input,
-                    progress=not args.quiet)
+                    progress=not args.quiet, verbose=args.verbose)
     try:
         s = run_job(cfg)
     except KeyboardInterrupt as e:
@@ -298,23 +304,45 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="resume an output although the input changed since it was started (lines whose "
                         "custom_id already has a record are skipped); without it such a resume is refused")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _verbose_arg(p)
     distributed.add_distributed_args(p)
+
+
+def _shared_args() -> argparse.ArgumentParser:
+    """The options every sub-command takes (as an argparse parent)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile every program afresh and write nothing to the compile cache (default: load "
+                        "programs compiled before from $DSJAX_CACHE_DIR, else $XDG_CACHE_HOME/dsjax or "
+                        "~/.cache/dsjax, and add new ones there; docs/generate.md)")
+    return p
+
+
+def _verbose_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show the functions that took longest to compile (generate) and the libraries' "
+                        "warnings logged through absl, such as tokamax's notes that a kernel shape has no tuned "
+                        "configuration (it then uses its heuristics); by default only their errors")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsjax", description="DeepSeek-V4 offline inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="parameter counts and memory of a model, without loading it")
+    shared = _shared_args()
+    info = sub.add_parser("info", parents=[shared],
+                          help="parameter counts and memory of a model, without loading it")
     _model_source(info)
     info.add_argument("--context", type=int, help="context length for the cache report "
                       "(default: max_position_embeddings)")
     info.set_defaults(func=_info)
-    gen = sub.add_parser("generate", help="run a batch of API requests (OpenAI Batch JSONL) through a model")
+    gen = sub.add_parser("generate", parents=[shared],
+                         help="run a batch of API requests (OpenAI Batch JSONL) through a model")
     gen.add_argument("--demo", action="store_true", help="run the bundled requests through the embedded "
                      "model and print a few responses (--output optional)")
     add_generate_args(gen)
     gen.set_defaults(func=_generate)
-    conv = sub.add_parser("convert", help="a DeepSeek-V4 safetensors checkpoint → dsjax's sharded Orbax layout "
+    conv = sub.add_parser("convert", parents=[shared],
+                          help="a DeepSeek-V4 safetensors checkpoint → dsjax's sharded Orbax layout "
                           "(or back with --to-hf)", description="Convert SRC (config.json, safetensors shards "
                           "in any naming, index, tokenizer files) into an Orbax checkpoint at DST laid out for "
                           "dsjax. Streams with bounded memory; DST appears only when complete; an interrupted "
@@ -333,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--shard-mb", type=float, help="--to-hf: shard size in MB (default 4096)")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=_convert)
-    pl = sub.add_parser("plan", help="per-device memory of a model on a mesh, from the compiled steps",
+    pl = sub.add_parser("plan", parents=[shared],
+                        help="per-device memory of a model on a mesh, from the compiled steps",
                         description="Compile the decode and prefill-chunk steps ahead of time from abstract arrays "
                         "on a mesh (host CPU devices stand in for missing ones) and print per-device bytes of "
                         "weights, cache and temporaries from XLA's memory analysis against --device-mem, and the "
@@ -356,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip compiling at other slot counts to find the largest that fits (the cache "
                          "formula's estimate is still printed)")
     pl.set_defaults(func=_plan)
-    be = sub.add_parser("bench", help="prefill and decode throughput of the engine against the roofline",
+    be = sub.add_parser("bench", parents=[shared],
+                        help="prefill and decode throughput of the engine against the roofline",
                         description="Build the model with random weights (or load one), run the engine as "
                         "`generate` does (one prefill, then greedy decode steps without stop tokens) and report "
                         "prefill tokens/s, decode tokens/s per sequence and in all, the decode step split into "
@@ -381,8 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "slice only (a converted checkpoint), a preset is built on one device and then placed")
     be.add_argument("--json", help="append one JSON row per batch size to this file")
     be.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    _verbose_arg(be)
     be.set_defaults(func=_bench)
-    ex = sub.add_parser("export", help="the decode and prefill-chunk steps as serialized StableHLO for one platform",
+    ex = sub.add_parser("export", parents=[shared],
+                        help="the decode and prefill-chunk steps as serialized StableHLO for one platform",
                         description="Lower the engine's decode and prefill-chunk steps from abstract arrays (no "
                         "weights needed: the weights are inputs of the exported functions) for one platform and "
                         "write DIR/decode.stablehlo, DIR/prefill.stablehlo (jax.export serializations) and "
@@ -415,11 +447,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # What the command changes in jax and absl is undone after it, for callers that go on (tests, notebooks).
+    with contextlib.ExitStack() as scope:
+        _use_compile_cache(scope, not args.no_compile_cache)
+        if hasattr(args, "verbose"):
+            scope.enter_context(_absl_warnings(args.verbose))
+        try:
+            return args.func(args)
+        except (ValueError, OSError, RuntimeError) as e:
+            print(f"dsjax {args.command}: error: {e}", file=sys.stderr)
+            return 2
+
+
+def _use_compile_cache(scope: contextlib.ExitStack, wanted: bool) -> None:
+    """dsjax's compile cache for the command, or (`--no-compile-cache`, or a folder that cannot be used:
+    a read-only home, say) none at all, not even one JAX_COMPILATION_CACHE_DIR names."""
+    if wanted:
+        try:
+            scope.enter_context(compile_cache())
+            return
+        except OSError as e:  # the command still runs, compiling everything
+            print(f"dsjax: compile cache off: {e}", file=sys.stderr)
+    scope.enter_context(compile_cache(enabled=False))
+
+
+@contextlib.contextmanager
+def _absl_warnings(shown: bool):
+    """Hide absl's warnings unless `shown` (`-v`). tokamax logs one for every kernel shape its tuning
+    tables lack, hundreds in a job's start-up, although it then simply uses its heuristics (its
+    `autotuning_cache_miss_fallback` default): notices, not problems."""
+    from absl import logging as absl_logging
+
+    before = absl_logging.get_verbosity()
+    if not shown:
+        absl_logging.set_verbosity(absl_logging.ERROR)
     try:
-        return args.func(args)
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"dsjax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        yield
+    finally:
+        absl_logging.set_verbosity(before)
 
 
 if __name__ == "__main__":

@@ -52,13 +52,13 @@ def _has_image(request: dict[str, Any]) -> bool:
     return "image" in json.dumps(request["body"].get("messages", ""))
 
 
-def run_demo(output: str | None = None, show: int = 3, progress: bool = True) -> dict[str, Any]:
+def run_demo(output: str | None = None, show: int = 3, progress: bool = True, verbose: bool = False) -> dict[str, Any]:
     """Run the bundled requests through the embedded model; print `show` parsed responses, those of the
     requests with images, and the throughput summary. Results go to `output` (default: a new temporary folder)."""
     if output is None:
         output = os.path.join(tempfile.mkdtemp(prefix="dsjax-demo-"), "results.jsonl")
     summary = run_job(JobConfig(model=MODEL_DIR, input=SAMPLE_REQUESTS, output=output, progress=progress,
-                                **DEMO_JOB))
+                                verbose=verbose, **DEMO_JOB))
     with open(SAMPLE_REQUESTS) as f:
         requests = {r["custom_id"]: r for r in map(json.loads, f)}
     with open(output) as f:

@@ -3,7 +3,7 @@ and the loader that calls them again.
 
 `export_steps` builds the model abstractly (no weights are read or allocated, so a 500B preset exports on
 a CPU machine) through the same machinery as `dsjax plan` (`dsjax.plan.abstract_steps`), traces the
-engine's own jitted steps (`dsjax.engine.steps._prefill_chunk` and `_decode`) for `slots` sequences of
+engine's own steps with their sampler (`dsjax.engine.steps.prefill_step` and `decode_step`) for `slots` sequences of
 `max_len` tokens and prefill chunks of `prefill_rows` × `chunk_size` tokens, lowers them for one platform
 with `jax.export.export` and writes into DIR:
 
@@ -185,8 +185,8 @@ def export_steps(cfg, platform: str, out: str | os.PathLike, *, slots: int = 8, 
     cache_leaves, cache_def = jax.tree.flatten(a.cache)
     blobs, described = {}, {}
     with a.context():
-        for name, step, args in (("prefill", steps._prefill_chunk, a.prefill_args),
-                                 ("decode", steps._decode, a.decode_args)):
+        for name, step, args in (("prefill", steps.prefill_step, a.prefill_args),
+                                 ("decode", steps.decode_step, a.decode_args)):
             flat_args = (params_leaves, cache_leaves, *args[3:-1], _fields(args[-1]))
             fn = _flat_step(step, a.graphdef, params_def, cache_def)
             exported = jax.export.export(fn, platforms=[platform], disabled_checks=disabled_checks(platform))(
@@ -228,7 +228,7 @@ def export_steps(cfg, platform: str, out: str | os.PathLike, *, slots: int = 8, 
 
 
 def _flat_step(step, graphdef, params_def, cache_def):
-    """`step` (the engine's `_decode` or `_prefill_chunk`) over leaves: (params leaves, cache leaves, *inputs,
+    """`step` (`steps.decode_step` or `steps.prefill_step`) over leaves: (params leaves, cache leaves, *inputs,
     sampling dict) → (cache leaves, sampled dict). Lists and dicts only: jax.export serializes their tree
     structure without registrations (an nnx State's or a Cache's would need them)."""
     import jax
@@ -244,7 +244,7 @@ def _flat_step(step, graphdef, params_def, cache_def):
             raise AssertionError(f"the step returned a cache of another structure: {new_def} != {cache_def}")
         return leaves, _fields(sampled)
 
-    flat.__name__ = flat.__qualname__ = step.__name__.lstrip("_")
+    flat.__name__ = flat.__qualname__ = {"decode_step": "decode", "prefill_step": "prefill_chunk"}[step.__name__]
     return jax.jit(flat)
 
 
@@ -291,7 +291,7 @@ def _describe(name: str, exported, flat_args, blob: bytes) -> dict:
         "file": STEP_FILES[name],
         "bytes": len(blob),
         "sha256": hashlib.sha256(blob).hexdigest(),
-        "function": f"dsjax.engine.steps.{'_decode' if name == 'decode' else '_prefill_chunk'}",
+        "function": f"dsjax.engine.steps.{'decode_step' if name == 'decode' else 'prefill_step'}",
         "args": list(ARGS[name]),
         "results": ["cache", "sampled"],
         "in_tree": str(exported.in_tree),

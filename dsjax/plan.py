@@ -3,7 +3,7 @@ allocated.
 
 The model is built abstractly (`abstract_model`), every parameter given the sharding the rules table
 (`dsjax.parallel.rules.param_sharding`) gives it on the mesh, and the cache the layout the engine gives
-it (`init_cache` shapes, `steps._cache_specs`). The engine's own jitted decode step and prefill-chunk
+it (`init_cache` shapes, `steps._cache_specs`). The engine's own decode step and prefill-chunk
 step are lowered and compiled ahead of time on those abstract arrays under `jax.set_mesh(mesh)`, and
 XLA's memory analysis of each compiled SPMD program (one device's program) gives the figures:
 
@@ -317,7 +317,7 @@ def mesh_devices(n: int):
 @dataclasses.dataclass(frozen=True)
 class AbstractSteps:
     """The engine's decode and prefill-chunk steps with abstract arguments (`jax.ShapeDtypeStruct`s, nothing
-    allocated): `decode_args` and `prefill_args` are what `steps._decode` and `steps._prefill_chunk` take,
+    allocated): `decode_args` and `prefill_args` are what `steps.decode_program` and `steps.prefill_program` take,
     from the static graphdef on; with a mesh they carry the shardings the rules and the engine give them.
     Lower them (`.lower`, `jax.export.export`) inside `context()`. Shared by `dsjax plan` and `dsjax export`."""
 
@@ -477,8 +477,8 @@ def plan(cfg, mesh_spec: str, max_len: int, slots: int, weights: str = "fp8", kv
                        prefill_rows=prefill_rows, dtype=dtype, devices=devices)
     mem = {}
     with a.context():
-        for name, fn, args in (("decode", steps._decode, a.decode_args),
-                               ("prefill", steps._prefill_chunk, a.prefill_args)):
+        for name, fn, args in (("decode", steps.decode_program, a.decode_args),
+                               ("prefill", steps.prefill_program, a.prefill_args)):
             t0 = time.perf_counter()
             compiled = fn.lower(*args).compile()
             mem[name] = StepMemory.of(compiled, time.perf_counter() - t0)

@@ -274,12 +274,11 @@ def bench_export(args, cfg, bandwidth):
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, model.cfg.vocab_size, int(rng.integers(1, m["chunk_size"] + 1))))
                for _ in range(n)]
-    greedy = SamplingArrays.of([SamplingParams(temperature=0.0, logprobs=1)] * n, list(range(n)))
-    cache, first = engine.prefill(engine.new_cache(), prompts, list(range(n)), greedy)
     decode_sampling = SamplingArrays.of([SamplingParams(temperature=0.0, logprobs=1)] * m["slots"],
                                         list(range(m["slots"])))
+    cache, first = engine.prefill(engine.new_cache(), prompts, list(range(n)), decode_sampling)  # rows by slot
     active = jnp.arange(m["slots"]) < n
-    last = jnp.zeros((m["slots"],), jnp.int32).at[:n].set(first.token)
+    last = jnp.zeros((m["slots"],), jnp.int32).at[:n].set(first.token[:n])
     runs = {}
     for who in ("engine", "artifact"):
         c, tokens, logprobs = jax.tree.map(jnp.copy, cache), last, []

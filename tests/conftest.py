@@ -53,21 +53,42 @@ def _free_compiled_programs():
         gc.collect()
 
 
+def _run_folder(tmp_path_factory) -> Path:
+    """This test run's temporary folder: under xdist the parent of each worker's, so the workers agree."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _dsjax_cache_in_the_run(tmp_path_factory):
+    """The `dsjax` commands the tests run, in this process or in the processes they start, keep their
+    compile cache (`dsjax.compile_cache`) in this run's temporary folder, never in the user's ~/.cache:
+    a run starts from an empty cache, and pytest removes it with the run's other folders (it keeps the
+    last three runs'). The xdist workers share it (it is made for sharing: jax locks it around every read
+    and write), so a program one worker's command compiled, the other's loads. A run that sets
+    DSJAX_CACHE_DIR keeps its own."""
+    if os.environ.get("DSJAX_CACHE_DIR"):
+        yield
+        return
+    os.environ["DSJAX_CACHE_DIR"] = str(_run_folder(tmp_path_factory) / "dsjax-cache")
+    yield
+    del os.environ["DSJAX_CACHE_DIR"]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _shared_compilation_cache(tmp_path_factory):
     """One persistent compilation cache for the whole run, shared by the xdist workers and the processes
-    the tests start: the workers compile many of the same programs (the tiny models' steps), and each
-    compiles one only if the other has not yet (programs that take over jax's default second to
-    compile). A run that sets JAX_COMPILATION_CACHE_DIR keeps its own. tests/engine, tests/batch and
-    three more files took 424 s with it, 454 s without."""
+    the tests start (but `dsjax` commands, which use their own: see above): the workers compile many of the
+    same programs (the tiny models' steps), and each compiles one only if the other has not yet (programs
+    that take over jax's default second to compile). A run that sets JAX_COMPILATION_CACHE_DIR keeps its
+    own. tests/engine, tests/batch and three more files took 424 s with it, 454 s without."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         yield
         return
     import jax
 
-    base = tmp_path_factory.getbasetemp()  # under xdist, each worker's; their parent is this run's
-    folder = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-cache")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder  # for the CLI and notebook processes the tests start
+    folder = str(_run_folder(tmp_path_factory) / "jax-cache")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder  # for the processes the tests start
     jax.config.update("jax_compilation_cache_dir", folder)
     yield
     jax.config.update("jax_compilation_cache_dir", None)

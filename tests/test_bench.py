@@ -221,3 +221,27 @@ def test_bench_hf_runs_the_reference_on_cpu(tmp_path):
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_hf.py"), "--batch", "1",
                               "--prompt-len", "4", "--gen-len", "1"], capture_output=True, text=True)
     assert refused.returncode == 2 and "--gen-len at least 2" in refused.stderr
+
+
+def test_cli_benches_a_release_format_and_a_converted_checkpoint(tmp_path, capsys):
+    """`--model` takes a checkpoint as DeepSeek ships it (FP8 blocks, FP4 experts, original names) and the
+    Orbax folder `dsjax convert` makes of it: the same model, so the same decode step count and layers."""
+    from dsjax.checkpoint.save import save_model
+    from dsjax.model import DeepseekV4
+    from dsjax.quantize import quantize_model
+
+    release = tmp_path / "release"
+    save_model(quantize_model(DeepseekV4(B.bench_config("tiny"), rngs=nnx.Rngs(0))), release, naming="original")
+    converted = tmp_path / "converted"
+    assert main(["convert", str(release), str(converted), "--quiet"]) == 0, capsys.readouterr().err
+    rows = []
+    for folder in (release, converted):
+        out = tmp_path / f"{folder.name}.jsonl"
+        assert main(["bench", "--model", str(folder), "--weights", "fp8", "--batch", "2", "--prompt-len", "12",
+                     "--gen-len", "3", "--chunk-size", "8", "--copy-tbps", "1", "--matmul-tflops", "100",
+                     "--json", str(out)]) == 0, capsys.readouterr().err
+        (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+        rows.append(row)
+    assert [r["model"] for r in rows] == [str(release), str(converted)]
+    assert all(r["weights"] == "fp8" and r["decode_steps"] == 2 and r["compilations_after_warmup"] == 0 for r in rows)
+    assert rows[0]["layers"] == rows[1]["layers"] == B.bench_config("tiny").num_hidden_layers

@@ -99,8 +99,8 @@ def test_cpu_round_trip_equals_the_engines_steps(tiny, model, cpu_export):
             records.append(jax.device_get((cache, sampled)))
         return records
 
-    ref = run(functools.partial(steps._prefill_chunk, engine.graphdef, engine.params),
-              functools.partial(steps._decode, engine.graphdef, engine.params), engine.new_cache())
+    ref = run(functools.partial(steps.prefill_program, engine.graphdef, engine.params),
+              functools.partial(steps.decode_program, engine.graphdef, engine.params), engine.new_cache())
     got = run(functools.partial(loaded.prefill, engine.params), functools.partial(loaded.decode, engine.params),
               loaded.new_cache())
     for i, (r, g) in enumerate(zip(ref, got)):

@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -26,9 +27,10 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
-from dsjax.batch.images import ImageResolver
+from dsjax.batch.images import ImageResolver, count_images
 from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
 from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
 from dsjax.batch.results import InputFingerprint, ResultsFile, check_output, error_record, success_record
@@ -36,7 +38,7 @@ from dsjax.config import ModelConfig
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.generate import request_seed
 from dsjax.engine.scheduler import Request, StepTimer, run
-from dsjax.engine.steps import Engine, Spliced
+from dsjax.engine.steps import Engine, Spliced, prefill_buckets, prefill_rows
 from dsjax.layers.vision import ImageError, decode_image
 from dsjax.parallel import distributed
 from dsjax.quant import KV_DTYPES
@@ -64,7 +66,27 @@ class JobConfig:
     prompt_format: str | None = None  # "v4" or "v4.1"; None: the checkpoint's (batch.recipe.prompt_format)
     image_root: str | None = None  # where local image files may be read from; None: the input's folder
     allow_changed_input: bool = False  # resume an output that was started from a different input
-    progress: bool = True
+    progress: bool = True  # the progress bar and one line per start-up phase (on stderr)
+    verbose: bool = False  # also the functions that took longest to compile
+
+
+def _pending(path: str, is_done: Callable[[InputLine], bool]) -> tuple[int, bool]:
+    """(lines still to answer, whether any of them holds an image): what the programs compiled before
+    the first request must cover."""
+    pending, images = 0, False
+    for line in read_lines(path):
+        if not is_done(line):
+            pending += 1
+            images = images or (not line.error and count_images(line.body) > 0)
+    return pending, images
+
+
+def _phase_printer(on: bool) -> Callable[[str], None]:
+    """One line per start-up phase on stderr, above the progress bar, or nothing."""
+    def say(line: str) -> None:
+        if on:
+            tqdm.write(f"dsjax generate: {line}", file=sys.stderr)
+    return say
 
 
 def summary_path(output: str) -> str:
@@ -163,18 +185,23 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
             results.close()
             raise
     stats = {"ok": 0, "failed": 0, "skipped_done": 0, "prompt_tokens": 0, "generated_tokens": 0}
-    phase = {"load": 0.0, "loop": 0.0, "loop_compile": 0.0}
+    phase = {"load": 0.0, "load_end": 0.0, "precompile": 0.0, "loop": 0.0, "loop_compile": 0.0, "loop_programs": 0}
     stopped_by = None
+    say = _phase_printer(cfg.progress and main)
     with CompileClock() as clock:
         timer = StepTimer(clock)
         try:
-            if all(is_done(line) for line in read_lines(cfg.input)):  # nothing to do: no model to load
+            pending, with_images = _pending(cfg.input, is_done)
+            if not pending:  # nothing to do: no model to load
                 stats["skipped_done"] = sum(1 for _ in read_lines(cfg.input))
                 results.open()
             else:
                 t = time.perf_counter()
                 model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights, mesh=setup.mesh)
                 phase["load"] = time.perf_counter() - t
+                phase["load_end"] = time.perf_counter() - t_start
+                weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+                say(f"loaded {weight_bytes / 1e9:,.2f} GB of weights in {phase['load']:.1f} s")
                 stopper.check()
                 with jax.set_mesh(setup.mesh) if setup.mesh is not None else contextlib.nullcontext():
                     engine = Engine(model, num_slots=cfg.max_batch, max_len=setup.context,
@@ -184,15 +211,36 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                     total = _count_lines(cfg.input)
                     bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
                     t_loop, wall_loop = time.perf_counter(), time.time()
+                    def compile_all(first: int, later: int) -> None:
+                        """Every program the job can need, before the first request (in parallel): none is
+                        compiled mid-job. `first` requests are ready to start; at most `later` follow."""
+                        if not first and not later:  # no request will run
+                            return
+                        slots = cfg.max_batch
+                        buckets = {prefill_rows(min(first, slots), slots)} if first else set()
+                        if later:
+                            buckets |= set(prefill_buckets(slots, later))
+                        t, built, hits = time.perf_counter(), clock.programs, clock.cache_hits
+                        n = engine.precompile(images=with_images and model.vision is not None, buckets=sorted(buckets))
+                        phase["precompile"] = time.perf_counter() - t
+                        phase["loop_programs"] = -clock.programs  # what follows is the generation's
+                        say(f"compiled {n} programs in {phase['precompile']:.1f} s ({clock.cache_hits - hits} of "
+                            f"{clock.programs - built} executables from the compile cache)")
+                        if cfg.verbose:
+                            for name, secs in clock.slowest():
+                                say("  " + name + ": " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items()))
+
                     try:
                         def working() -> float:  # seconds of the loop so far, less jax's compiling in it
                             return time.perf_counter() - t_loop - clock.seconds(since=wall_loop)
 
-                        _run(cfg, engine, setup.recipe, results, is_done, stats, timer, bar, working, stopper.check)
+                        _run(cfg, engine, setup.recipe, results, is_done, stats, timer, bar, working, stopper.check,
+                             compile_all, pending)
                     finally:
                         bar.close()
                         phase["loop"] = time.perf_counter() - t_loop
                         phase["loop_compile"] = clock.seconds(since=wall_loop)
+                        phase["loop_programs"] += clock.programs
         except KeyboardInterrupt as e:
             stopped_by = stopper.signal or ("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
         finally:
@@ -210,9 +258,15 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
         # a step first runs), and the generation loop without that.
         "load_seconds": round(phase["load"], 3),
         "compile_seconds": round(clock.seconds(), 3),
+        "precompile_seconds": round(phase["precompile"], 3),  # wall time of compiling before the first request
         "programs_compiled": clock.programs,
         "programs_from_cache": clock.cache_hits,
+        # Built inside the generation loop: only image encoders, one per new image size bucket.
+        "programs_compiled_during_generation": phase["loop_programs"],
         "generation_seconds": round(generation, 3),
+        # When the first response was written, from the job's start, and from the end of loading weights.
+        "first_result_seconds": _since(stats.get("first_result_at"), t_start),
+        "first_result_after_load_seconds": _since(stats.get("first_result_at"), t_start + phase["load_end"]),
         "prompt_tokens_per_second": round(stats["prompt_tokens"] / generation, 2) if generation else 0.0,
         "generated_tokens_per_second": round(stats["generated_tokens"] / generation, 2) if generation else 0.0,
         "engine_step_seconds": round(timer.seconds, 3),  # compiling not included
@@ -237,6 +291,10 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
     if stopped_by:
         raise KeyboardInterrupt
     return summary
+
+
+def _since(t: float | None, start: float) -> float | None:
+    return None if t is None else round(t - start, 3)
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -400,7 +458,7 @@ def _settings_digest(cfg: JobConfig, tokenizer: str) -> bytes:
     tokenizer."""
     h = hashlib.sha256()
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("model", "input", "output",
-                                                                             "image_root", "progress")}
+                                                                             "image_root", "progress", "verbose")}
     h.update(json.dumps(settings, sort_keys=True).encode())
     for path in (os.path.join(cfg.model, "config.json"), tokenizer):
         h.update(_sha256(path) if os.path.isfile(path) else b"-" * 32)
@@ -449,7 +507,10 @@ def _done_on_process_0(cfg: JobConfig, results) -> Callable[[InputLine], bool]:
 
 
 def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Callable[[], float],
-         check_stop: Callable[[], None]) -> None:
+         check_stop: Callable[[], None], compile_all: Callable[[int, int], None], pending: int) -> None:
+    """The generation loop. The first window of requests is read, prepared and its images encoded before
+    `compile_all(first, later)` is told how many requests are ready (`first`) and how many more may come
+    (`later`): the prefill programs it compiles are those row counts can take."""
     preps: dict[int, Prepared] = {}  # requests handed to the scheduler and not finished yet
     streams = {}
     next_index = itertools.count()
@@ -460,7 +521,9 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
         stats["failed"] += 1
         bar.update(1)
 
-    def requests() -> Iterator[Request]:
+    read = [0]  # lines not done before, read so far
+
+    def windows() -> Iterator[list[Request]]:
         window: list[Prepared] = []
         for line in read_lines(cfg.input):
             check_stop()
@@ -468,6 +531,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
                 stats["skipped_done"] += 1
                 bar.update(1)
                 continue
+            read[0] += 1
             if line.error:
                 fail(line, line.error)
                 continue
@@ -477,9 +541,17 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
                 continue
             window.append(prep)
             if len(window) >= cfg.window:
-                yield from order(window)
+                yield list(order(window))
                 window = []
-        yield from order(window)
+        yield list(order(window))
+
+    def requests() -> Iterator[Request]:
+        batches = windows()
+        first = next(batches)
+        compile_all(len(first), len(first) - min(len(first), cfg.max_batch) + pending - read[0])
+        yield from first
+        for batch in batches:
+            yield from batch
 
     def order(window: list[Prepared]) -> Iterator[Request]:
         # Longest prompts first keeps slots busy; no result depends on the order.
@@ -522,6 +594,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
         if reason:
             results.write(success_record(prep.line, body))
             stats["ok"] += 1
+            stats.setdefault("first_result_at", time.perf_counter())
             del streams[ev.index], preps[ev.index]
             bar.update(1)
             elapsed = max(working(), 1e-9)

@@ -11,8 +11,9 @@ import threading
 
 import jax
 
-_PHASES = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-           "/jax/core/compile/backend_compile_duration")
+_PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+           "/jax/core/compile/backend_compile_duration": "compile"}
 _COMPILED = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
@@ -25,14 +26,18 @@ class CompileClock:
         self._total = 0.0
         self.programs = 0  # executables built or loaded
         self.cache_hits = 0  # of those, loaded from the persistent compilation cache
+        # Seconds jax spent per function and phase ("trace", "lower", "compile"), for `-v` reports.
+        self.by_function: dict[str, dict[str, float]] = {}
         self._mu = threading.Lock()
 
-    def _span(self, event: str, start: float, end: float, **_) -> None:
+    def _span(self, event: str, start: float, end: float, fun_name: str = "?", **_) -> None:
         if event in _PHASES:
             with self._mu:  # spans come only while compiling: merging here keeps `seconds()` cheap
                 self._spans = _merged([*self._spans, (start, end)])
                 self._total = sum(e - s for s, e in self._spans)
                 self.programs += event == _COMPILED
+                phases = self.by_function.setdefault(fun_name, {})
+                phases[_PHASES[event]] = phases.get(_PHASES[event], 0.0) + end - start
 
     def _event(self, event: str, **_) -> None:
         if event == _CACHE_HIT:
@@ -54,6 +59,13 @@ class CompileClock:
             if since is None:
                 return self._total
             return sum(e - max(s, since) for s, e in self._spans if e > since)
+
+
+    def slowest(self, n: int = 8) -> list[tuple[str, dict[str, float]]]:
+        """The `n` functions jax spent longest preparing, with their seconds per phase."""
+        with self._mu:
+            items = [(name, dict(p)) for name, p in self.by_function.items()]
+        return sorted(items, key=lambda kv: -sum(kv[1].values()))[:n]
 
 
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

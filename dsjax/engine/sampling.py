@@ -52,10 +52,11 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingModes:
-    """Which parts of the sampler a batch needs, decided on the host: the step compiles only those. (A
-    device-side `lax.cond` would make the host wait for the device inside every step: 2.3 ms of idle
-    device per decode step on an H200, docs/benchmarks.md.) Any superset of what the rows need gives
-    the same tokens; the default, everything, serves any rows."""
+    """Which parts of the sampler a batch needs, decided on the host: each mix is a sampler program of its
+    own (`SAMPLER_MODES`, all compiled before a job starts). (A device-side `lax.cond` would make the host
+    wait for the device inside every step: 2.3 ms of idle device per decode step on an H200,
+    docs/benchmarks.md.) Any superset of what the rows need gives the same tokens; the default,
+    everything, serves any rows."""
 
     random: bool = True  # some row samples (temperature > 0)
     filtered: bool = True  # some sampled row cuts by top-k or top-p (the vocabulary is sorted)
@@ -70,6 +71,12 @@ class SamplingModes:
 
     def __or__(self, other: "SamplingModes") -> "SamplingModes":
         return SamplingModes(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+# Every mix of modes `SamplingModes.of` can give (filtering only where rows sample): the sampler programs
+# `Engine.precompile` builds, so that no mix of requests compiles anything mid-job.
+SAMPLER_MODES = tuple(SamplingModes(random, filtered, logprobs) for random in (False, True)
+                      for filtered in ((False, True) if random else (False,)) for logprobs in (False, True))
 
 
 @jax.tree_util.register_dataclass
@@ -87,8 +94,7 @@ class SamplingArrays:
     @classmethod
     def of(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
            modes: SamplingModes | None = None) -> "SamplingArrays":
-        """The rows' arrays; `modes` are what they need, widened by `modes` if given (a caller that keeps
-        them across batches compiles each widening once, instead of a step per mix of requests)."""
+        """The rows' arrays; `modes` are what they need, widened by `modes` if given."""
         needed = SamplingModes.of(params)
         return cls(temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
                    top_k=jnp.asarray([p.top_k for p in params], jnp.int32),

@@ -7,17 +7,15 @@ stream tokens into their own output processing; a short request never waits for 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 import jax
 import numpy as np
 
 from dsjax.engine.compiles import CompileClock
-from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
-from dsjax.engine.steps import Engine, Spliced
-from dsjax.parallel.rules import slot_axes
+from dsjax.engine.sampling import SamplingArrays, SamplingParams
+from dsjax.engine.steps import Engine, Spliced, prefill_rows
 
 _IDLE = SamplingParams(temperature=0.0)
 
@@ -44,25 +42,11 @@ class TokenEvent:
     finish_reason: str | None = None
 
 
-def _bucket(n: int, limit: int) -> int:
-    """Rows of a prefill of `n` new requests: a power of two (few compiled shapes), rounded up to whole
-    shares of the mesh axes that split the cache's slots. Fewer rows than devices could not be split, and
-    attention and the indexer would then take their references, not their kernels
-    (`kernels.dispatch.over_slots`)."""
-    size = 1
-    while size < n:
-        size *= 2
-    axes = slot_axes(jax.sharding.get_abstract_mesh(), limit)
-    share = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1
-    return min(-(-size // share) * share, limit)
-
-
 class _Slots:
     """Host-side view of what each slot holds."""
 
-    def __init__(self, n: int, max_len: int, engine: Engine):
+    def __init__(self, n: int, max_len: int):
         self.max_len = max_len
-        self.engine = engine
         self._sampling = None  # (requests, SamplingArrays) of the last call
         self.request: list[Request | None] = [None] * n
         self.total = [0] * n  # tokens in the sequence, prompt + generated
@@ -76,14 +60,14 @@ class _Slots:
         return (self.generated[s] + extra >= self.request[s].sampling.max_tokens
                 or self.total[s] + extra >= self.max_len)
 
-    def sampling(self, rows) -> SamplingArrays:
-        reqs = tuple(self.request[s] for s in rows)
+    def sampling(self) -> SamplingArrays:
+        """Every slot's sampling row; the modes are what the slots' requests need (each mix has its
+        sampler program, `Engine.precompile`)."""
+        reqs = tuple(self.request)
         # Rebuilt only when the slots' requests change, not on every decode step.
         last = self._sampling[0] if self._sampling else ()
         if len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):
-            arrays = SamplingArrays.of([r.sampling if r else _IDLE for r in reqs],
-                                       [r.seed if r else 0 for r in reqs], self.engine.sampling_modes)
-            self.engine.widen_sampling(arrays.modes)
+            arrays = SamplingArrays.of([r.sampling if r else _IDLE for r in reqs], [r.seed if r else 0 for r in reqs])
             self._sampling = (reqs, arrays)
         return self._sampling[1]
 
@@ -103,9 +87,7 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     cancelled = set() if cancelled is None else cancelled
     timer = timer or StepTimer()
     n = engine.num_slots
-    slots = _Slots(n, engine.max_len, engine)
-    if isinstance(requests, Sequence):  # known up front: the steps compile for the whole job's needs once
-        engine.widen_sampling(SamplingModes.of([r.sampling for r in requests]))
+    slots = _Slots(n, engine.max_len)
     cache = engine.new_cache()
     pending = iter(requests)
     exhausted = False
@@ -146,7 +128,7 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
         active[[s for s, _ in rows]] = True
         with timer:
             last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
-            cache, sampled = engine.decode(cache, last, active, slots.sampling(range(n)))
+            cache, sampled = engine.decode(cache, last, active, slots.sampling())
         if inflight is not None:
             yield from _read(slots, inflight, cancelled, timer)
         inflight = (sampled, rows)
@@ -194,17 +176,16 @@ def _drop_if_cancelled(slots: _Slots, ev: TokenEvent, cancelled: set[int]) -> No
 
 def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]]):
     taken = {s for s, _ in new}
-    size = _bucket(len(new), engine.num_slots)
+    size = prefill_rows(len(new), engine.num_slots)
     pad = [s for s in range(engine.num_slots) if s not in taken][:size - len(new)]
     for s, r in new:
         slots.request[s] = r
         slots.total[s] = len(r.prompt)
         slots.generated[s] = 0
-    rows = [s for s, _ in new] + pad
     cache, sampled = engine.prefill(cache, [r.prompt for _, r in new], [s for s, _ in new],
-                                    slots.sampling(rows), pad_slots=pad, spliced=[r.spliced for _, r in new])
+                                    slots.sampling(), pad_slots=pad, spliced=[r.spliced for _, r in new])
     host = jax.device_get(sampled)
-    return cache, [_emit(slots, s, host, i) for i, (s, _) in enumerate(new)]
+    return cache, [_emit(slots, s, host, s) for s, _ in new]
 
 
 def _emit(slots: _Slots, s: int, host, row: int) -> TokenEvent:

@@ -1,14 +1,20 @@
-"""Jitted prefill and decode steps over the fixed-shape cache, with the cache buffers donated.
+"""Jitted prefill and decode steps over the fixed-shape cache, with the cache buffers donated, and the
+on-device sampler as a program of its own.
 
 `decode` advances every active slot by one token; `prefill` fills the given slots from position 0,
 one fixed-size chunk at a time, so a prompt of any length runs through the same compiled chunk step.
-Both sample on device and return `Sampled` rows.
+Both end in next-token logits for every slot, which the sampler program turns into `Sampled` rows: so
+the model's programs never depend on the requests' sampling options, and the sampler's few variants
+(`SAMPLER_MODES`) are small programs. `Engine.precompile` builds every program a job can need before its
+first request, in parallel, so none is compiled mid-job.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 from typing import Sequence
 
 import jax
@@ -17,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import Cache, init_cache
-from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingModes, sample
+from dsjax.engine.sampling import SAMPLER_MODES, Sampled, SamplingArrays, SamplingModes, SamplingParams, sample
 from dsjax.layers.vision import cell_bucket, fused_attention_fits, layout, pad_cells, patchify
 from dsjax.parallel.rules import slot_axes
 from dsjax.quant import KV_DTYPES
@@ -33,6 +39,29 @@ def put_slots(cache: Cache, part: Cache, slots: jax.Array) -> Cache:
     """`cache` with rows `slots` replaced by `part` (slots must be distinct)."""
     return Cache(lengths=cache.lengths.at[slots].set(part.lengths),
                  groups=jax.tree.map(lambda x, y: x.at[:, slots].set(y), cache.groups, part.groups))
+
+
+def prefill_rows(n: int, num_slots: int) -> int:
+    """Rows of a prefill of `n` new requests: a power of two (few compiled shapes), rounded up to whole
+    shares of the mesh axes that split the cache's slots. Fewer rows than devices could not be split, and
+    attention and the indexer would then take their references, not their kernels
+    (`kernels.dispatch.over_slots`)."""
+    import math
+
+    size = 1
+    while size < n:
+        size *= 2
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = slot_axes(mesh, num_slots)
+    share = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    return min(-(-size // share) * share, num_slots)
+
+
+def prefill_buckets(num_slots: int, requests: int | None = None) -> list[int]:
+    """Every row count `prefill_rows` gives for 1 … `num_slots` new requests (at most `requests`, the
+    number a run will see, if known: no prefill takes more)."""
+    most = num_slots if requests is None else max(1, min(requests, num_slots))
+    return sorted({prefill_rows(n, num_slots) for n in range(1, most + 1)})
 
 
 class StaticGraph:
@@ -78,27 +107,47 @@ class Engine:
         self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
         self.graphdef, self.params = nnx.split(model)
         self._static = StaticGraph(self.graphdef)
-        # The sampler parts the steps have needed so far (`SamplingModes`); only `widen_sampling` changes them.
-        self.sampling_modes = SamplingModes(random=False, filtered=False, logprobs=False)
+        # Set by `precompile(images=True)`: every prefill chunk then runs the program that takes spliced
+        # embeddings (with none for a chunk of text), so an image job compiles one program per row bucket.
+        self.spliced_prefill = False
+        self._no_splice: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows → zero embeddings and mask
         # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
         # context once, so every step would be traced again by the next engine. Import it before.
         import tokamax  # noqa: F401
 
-    def widen_sampling(self, modes: SamplingModes) -> SamplingModes:
-        """Add `modes` to the sampler parts the steps compile for, and return them all. They only ever
-        widen, so each widening compiles the steps once and later, narrower jobs reuse them."""
-        self.sampling_modes = self.sampling_modes | modes
-        return self.sampling_modes
+    def _placed(self, spec: jax.sharding.PartitionSpec) -> jax.sharding.Sharding | None:
+        """Where a step's other inputs live: on the context mesh by `spec`, or else as the weights do (on
+        their device if they are committed to one; None: jax's default device, uncommitted). Every call of
+        a step then sees its inputs placed alike and reuses one compiled program, `precompile`'s."""
+        mesh = jax.sharding.get_mesh()
+        if mesh.axis_names:
+            return jax.sharding.NamedSharding(mesh, spec)
+        weight = jax.tree.leaves(self.params)[0]
+        if not getattr(weight, "committed", False):
+            return None
+        if isinstance(weight.sharding, jax.sharding.NamedSharding):  # weights on a mesh, none in context
+            return jax.sharding.NamedSharding(weight.sharding.mesh, jax.sharding.PartitionSpec())
+        return weight.sharding if len(weight.sharding.device_set) == 1 else None
+
+    def _put(self, *arrays):
+        """Host inputs of a step, placed as `_placed` says. The scheduler passes the host's tokens to the
+        first decode step after a prefill and the step in flight's (already placed) to the others: placed
+        differently, the step would compile twice, the second time inside the decode loop."""
+        arrays = tuple(jnp.asarray(a) for a in arrays)
+        placed = self._placed(jax.sharding.PartitionSpec())
+        return arrays if placed is None else jax.device_put(arrays, placed)
+
+    def _cache_args(self) -> tuple:
+        return self._static, self.params, self.num_slots, self.max_len, self.cache_dtype, self.kv_dtype
 
     def new_cache(self) -> Cache:
-        """An empty cache; under `jax.set_mesh` each device holds the slots the rules give it."""
-        make = functools.partial(init_cache, self.model, self.num_slots, self.max_len, self.cache_dtype,
-                                 self.kv_dtype)
-        mesh = jax.sharding.get_mesh()
-        if not mesh.axis_names:
-            return make()
-        specs = _cache_specs(jax.eval_shape(make))
-        return jax.jit(make, out_shardings=jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, p), specs))()
+        """An empty cache (one compiled program); under `jax.set_mesh` each device holds the slots the rules
+        give it."""
+        return _new_cache(*self._cache_args())
+
+    def _new_logits(self) -> jax.Array:
+        return jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32,
+                         device=self._placed(jax.sharding.PartitionSpec()))
 
     def encode_image(self, pixels_hwc: np.ndarray) -> np.ndarray:
         """One image's embeddings `[image_tokens, hidden]` (float32, on the host) from its `[H, W, 3]`
@@ -127,28 +176,33 @@ class Engine:
     def compilations() -> int:
         """Programs compiled so far by the steps of every engine in this process. Engines of the same
         model structure and shapes share them, so this stays constant once a job has warmed up."""
-        return _decode._cache_size() + _prefill_chunk._cache_size() + _encode_cells._cache_size()
+        return sum(f._cache_size() for f in (_decode, _prefill_chunk, _sample_rows, _encode_cells, _new_cache))
 
     def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
-        """Feed each active slot its last token and sample the next; inactive slots are untouched."""
-        return _decode(self._static, self.params, cache, *_step_inputs(last_tokens, active), sampling)
+        """Feed each active slot its last token and sample the next; inactive slots are untouched.
+        `sampling` has one row per slot."""
+        cache, logits_sv, positions_s = _decode(self._static, self.params, cache,
+                                                *self._put(jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)))
+        return cache, _sample_rows(logits_sv, self._placed_sampling(sampling), positions_s)
 
-    def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
-                     sampling: SamplingArrays) -> jax.stages.Lowered:
-        """The decode step lowered for these arguments (to compile with other options, or inspect);
-        its compiled form takes `(self.params, cache, last_tokens, active, sampling)`."""
-        return _decode.lower(self._static, self.params, cache, *_step_inputs(last_tokens, active), sampling)
+    def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array) -> jax.stages.Lowered:
+        """The decode step (without the sampler) lowered for these arguments (to compile with other
+        options, or inspect); its compiled form takes `(self.params, cache, last_tokens, active)` and returns
+        `(cache, logits [slots, vocab], positions [slots])`."""
+        return _decode.lower(self._static, self.params, cache,
+                             *self._put(jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)))
 
     def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
                 sampling: SamplingArrays, pad_slots: Sequence[int] = (),
                 spliced: Sequence[Spliced | None] | None = None) -> tuple[Cache, Sampled]:
         """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token.
 
-        `pad_slots` are extra distinct slots that ride along unchanged (to keep the row count, hence the
-        compiled shape, within a few buckets); `sampling` has one row per slot and pad slot. `spliced`
-        (one entry per prompt, or None) gives embeddings that replace the token embeddings at some of a
-        prompt's positions (images at their placeholders); a chunk without any runs the text-only program.
+        `sampling` has one row per cache slot, and so has the result: row `slots[i]` is prompt i's token
+        (other rows mean nothing). `pad_slots` are extra distinct slots that ride along unchanged (to keep
+        the row count, hence the compiled shape, within a few buckets). `spliced` (one entry per prompt, or
+        None) gives embeddings that replace the token embeddings at some of a prompt's positions (images at
+        their placeholders); a chunk without any runs the text-only program.
         """
         rows = list(slots) + list(pad_slots)
         if len(set(rows)) != len(rows):
@@ -164,19 +218,73 @@ class Engine:
         for i, p in enumerate(prompts):
             padded[i, :len(p)] = p
         is_prompt = np.arange(n) < len(prompts)
-        slot_ids = jnp.asarray(rows, jnp.int32)
-        out = None
+        (slot_ids,) = self._put(np.asarray(rows, np.int32))
+        logits_sv, positions_s = self._new_logits(), None
         for k in range(n_chunks):
             n_valid = np.clip(lengths - k * c, 0, c)
             start = np.where(is_prompt, np.minimum(k * c, lengths), current)
             ends_here = is_prompt & (lengths > k * c) & (lengths <= (k + 1) * c)
-            cache, sampled = _prefill_chunk(
-                self._static, self.params, cache, jnp.asarray(padded[:, k * c:(k + 1) * c]), slot_ids,
-                jnp.asarray(start, jnp.int32), jnp.asarray(n_valid, jnp.int32), sampling,
-                _chunk_spliced(spliced, n, k * c, c))
-            out = sampled if out is None else jax.tree.map(
-                lambda new, old: jnp.where(_expand(jnp.asarray(ends_here), new), new, old), sampled, out)
-        return cache, out
+            tokens, start, n_valid, ends_here = self._put(padded[:, k * c:(k + 1) * c], start.astype(np.int32),
+                                                          n_valid.astype(np.int32), ends_here)
+            chunk_spliced = _chunk_spliced(spliced, n, k * c, c)
+            if chunk_spliced is not None:
+                chunk_spliced = self._put(*chunk_spliced)
+            elif self.spliced_prefill:
+                chunk_spliced = self._no_splice_for(n)
+            cache, logits_sv, positions_s = _prefill_chunk(
+                self._static, self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here,
+                chunk_spliced)
+        return cache, _sample_rows(logits_sv, self._placed_sampling(sampling), positions_s)
+
+    def _no_splice_for(self, rows: int) -> tuple[jax.Array, jax.Array]:
+        """Spliced-prefill inputs that splice nothing, kept on the device (made once per row bucket)."""
+        if rows not in self._no_splice:
+            self._no_splice[rows] = self._put(np.zeros((rows, self.chunk_size, self.cfg.hidden_size), np.float32),
+                                              np.zeros((rows, self.chunk_size), bool))
+        return self._no_splice[rows]
+
+    def _placed_sampling(self, sampling: SamplingArrays) -> SamplingArrays:
+        placed = self._placed(jax.sharding.PartitionSpec())
+        return sampling if placed is None else jax.device_put(sampling, placed)
+
+    def precompile(self, images: bool = False, modes: Sequence[SamplingModes] = SAMPLER_MODES,
+                   buckets: Sequence[int] | None = None, threads: int | None = None) -> int:
+        """Compile every program a run of this engine can need before it starts: the empty cache, the
+        decode step, the prefill chunk for each row count of `buckets` (default: all, `prefill_buckets`),
+        and the sampler for each of `modes`. With `images` the prefill programs are those that take
+        spliced embeddings, and every later prefill runs them (`spliced_prefill`). Programs are lowered
+        one after another and compiled in `threads` threads (default: one per program, at most the CPU
+        count); later calls with the same shapes reuse them. Returns the number of programs. (The image
+        encoder compiles per image size bucket as images arrive: image sizes are not bounded ahead.)"""
+        self.spliced_prefill = self.spliced_prefill or images
+        new_cache = _new_cache.lower(*self._cache_args())
+        shapes = jax.eval_shape(lambda: init_cache(self.model, self.num_slots, self.max_len, self.cache_dtype,
+                                                   self.kv_dtype))
+        specs = _cache_specs(shapes) if jax.sharding.get_mesh().axis_names else jax.tree.map(
+            lambda _: jax.sharding.PartitionSpec(), shapes)
+        cache = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._placed(p)),
+                             shapes, specs)
+        self._new_logits()  # a broadcast, run once: the program is tiny
+        logits = jax.ShapeDtypeStruct((self.num_slots, self.cfg.vocab_size), jnp.float32,
+                                      sharding=self._placed(jax.sharding.PartitionSpec()))
+        positions = jax.ShapeDtypeStruct((self.num_slots,), jnp.int32, sharding=logits.sharding)
+        n, c = self.num_slots, self.chunk_size
+        lowered = [new_cache,
+                   _decode.lower(self._static, self.params, cache, *self._put(np.zeros(n, np.int32), np.zeros(n, bool)))]
+        for rows in sorted(prefill_buckets(n) if buckets is None else set(buckets), reverse=True):
+            ids = np.zeros(rows, np.int32)
+            lowered.append(_prefill_chunk.lower(self._static, self.params, cache, logits,
+                                                *self._put(np.zeros((rows, c), np.int32), ids, ids, ids,
+                                                           np.zeros(rows, bool)),
+                                                self._no_splice_for(rows) if self.spliced_prefill else None))
+        for m in modes:
+            sampling = dataclasses.replace(self._placed_sampling(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
+                                           modes=m)
+            lowered.append(_sample_rows.lower(logits, sampling, positions))
+        workers = threads or max(1, min(len(lowered), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))  # XLA compiles outside the GIL
+        return len(lowered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,19 +329,7 @@ def _chunk_spliced(spliced, n: int, first: int, c: int):
     mask = np.zeros((n, c), bool)
     for i, cols, rows in hits:
         embeds[i, cols], mask[i, cols] = rows, True
-    return jnp.asarray(embeds), jnp.asarray(mask)
-
-
-def _step_inputs(last_tokens, active) -> tuple[jax.Array, jax.Array]:
-    """The decode step's tokens and active mask, replicated over the context mesh if there is one. The
-    scheduler passes the host's tokens to the first step after a prefill and the step in flight's
-    (replicated, on the mesh) to the others: under a mesh their shardings differed, and the step
-    compiled twice, the second time inside the decode loop."""
-    last_tokens, active = jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)
-    mesh = jax.sharding.get_mesh()
-    if not mesh.axis_names:
-        return last_tokens, active
-    return jax.device_put((last_tokens, active), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return embeds, mask
 
 
 def _cache_specs(cache: Cache):
@@ -265,25 +361,73 @@ def _expand(mask_b, like):
     return mask_b.reshape(mask_b.shape + (1,) * (like.ndim - 1))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling):
+def _decode_logits(graphdef, params, cache: Cache, last_tokens_b, active_b):
+    """Each active slot's next-token logits `[slots, vocab]` (float32) after feeding it its last token."""
     model = nnx.merge(_graph(graphdef), params)
-    start_b = cache.lengths
-    hidden_b1h, cache = model.extend(last_tokens_b[:, None], cache, start_b, active_b.astype(jnp.int32))
-    logits_bv = model.logits(hidden_b1h)[:, 0]
-    return _constrain(cache), _for_host(sample(logits_bv, sampling, start_b + 1))
+    hidden_b1h, cache = model.extend(last_tokens_b[:, None], cache, cache.lengths, active_b.astype(jnp.int32))
+    return cache, model.logits(hidden_b1h)[:, 0].astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _prefill_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, sampling, spliced=None):
+def _prefill_logits(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, spliced=None):
+    """One prefill chunk of rows `slots_n`: the cache with their tokens written, and each row's logits
+    `[n, vocab]` (float32) after its last valid token of the chunk."""
     model = nnx.merge(_graph(graphdef), params)
     part = take_slots(cache, slots_n)
     hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced)
     last = jnp.clip(n_valid_n - 1, 0, tokens_nc.shape[1] - 1)
     hidden_nh = jnp.take_along_axis(hidden_nch, last[:, None, None], axis=1)
-    logits_nv = model.logits(hidden_nh)[:, 0]
-    cache = put_slots(cache, part, slots_n)
+    return put_slots(cache, part, slots_n), model.logits(hidden_nh)[:, 0].astype(jnp.float32)
+
+
+def decode_step(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling: SamplingArrays
+                ) -> tuple[Cache, Sampled]:
+    """Decode and sample as one function (what `dsjax export` and `dsjax plan` compile as one program;
+    the engine runs the two as separate programs): the sampled token of every slot."""
+    start_b = cache.lengths
+    cache, logits_bv = _decode_logits(graphdef, params, cache, last_tokens_b, active_b)
+    return _constrain(cache), _for_host(sample(logits_bv, sampling, start_b + 1))
+
+
+def prefill_step(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, sampling: SamplingArrays,
+                 spliced=None) -> tuple[Cache, Sampled]:
+    """One prefill chunk and the sampler as one function (`dsjax export`, `dsjax plan`): `sampling` and
+    the result have one row per chunk row."""
+    cache, logits_nv = _prefill_logits(graphdef, params, cache, tokens_nc, slots_n, start_n, n_valid_n, spliced)
     return _constrain(cache), _for_host(sample(logits_nv, sampling, start_n + n_valid_n))
+
+
+# Each with the sampler in the same program, as `dsjax plan` measures and `dsjax export` writes them.
+decode_program = jax.jit(decode_step, static_argnums=0, donate_argnums=2)
+prefill_program = jax.jit(prefill_step, static_argnums=0, donate_argnums=2)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b):
+    cache, logits_bv = _decode_logits(graphdef, params, cache, last_tokens_b, active_b)
+    # The positions the sampled tokens will take (the new lengths, for active slots), as an output of
+    # their own: the next step donates the cache while the sampler may still read them.
+    return _constrain(cache), *_for_host((logits_bv, cache.lengths + 0))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _prefill_chunk(graphdef, params, cache: Cache, logits_sv, tokens_nc, slots_n, start_n, n_valid_n, ends_n,
+                   spliced=None):
+    """A prefill chunk; the logits of rows whose prompt ends in it land in their slot's row of `logits_sv`."""
+    cache, logits_nv = _prefill_logits(graphdef, params, cache, tokens_nc, slots_n, start_n, n_valid_n, spliced)
+    logits_sv = logits_sv.at[slots_n].set(jnp.where(ends_n[:, None], logits_nv, logits_sv[slots_n]))
+    return _constrain(cache), *_for_host((logits_sv, cache.lengths + 0))
+
+
+@jax.jit
+def _sample_rows(logits_sv, sampling: SamplingArrays, positions_s) -> Sampled:
+    """The sampler as a program of its own: one per `SamplingModes` (a static part of `sampling`)."""
+    return _for_host(sample(logits_sv, sampling, positions_s))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4, 5))
+def _new_cache(graphdef, params, num_slots: int, max_len: int, cache_dtype, kv_dtype) -> Cache:
+    model = nnx.merge(_graph(graphdef), params)
+    return _constrain(init_cache(model, num_slots, max_len, cache_dtype, kv_dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -516,3 +516,18 @@ def test_a_cache_larger_than_the_devices_is_refused_before_loading(tmp_path, tin
         run_job(JobConfig(model=tiny_model_dir, input=inp, output=str(tmp_path / "o.jsonl"),
                           **{**JOB, "max_batch": 10_000_000}))
     assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_every_program_is_compiled_before_the_first_request(tmp_path, tiny_model_dir):
+    """Requests that need the sampler's other parts arrive late (a window of 2, 3 slots, greedy first):
+    the programs were compiled before the loop all the same, so none is compiled inside it. (Shapes no
+    other test uses: nothing comes from this process's memory.)"""
+    late = [chat("late-top-p", [{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0.8, top_p=0.5,
+                 seed=1),
+            chat("late-logprobs", [{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True, top_logprobs=2)]
+    greedy = [chat(f"greedy-{i}", [{"role": "user", "content": "Hi " * i}], max_tokens=4, temperature=0)
+              for i in range(5)]
+    recs, s = job(tmp_path, tiny_model_dir, greedy + late, max_batch=3, max_len=456, window=2)
+    assert s["requests_ok"] == 7 and len(recs) == 7
+    assert s["programs_compiled"] > 0 and s["precompile_seconds"] > 0
+    assert s["programs_compiled_during_generation"] == 0

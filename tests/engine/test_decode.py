@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsjax.engine.compiles import CompileClock
 from dsjax.engine.generate import generate
 from dsjax.engine.sampling import SamplingParams
 from dsjax.engine.steps import Engine
@@ -67,8 +68,11 @@ def test_hundred_prompts_refill_slots_with_fixed_compilations(load_case):
     sampling = [SamplingParams(temperature=float(rng.random() < 0.5), max_tokens=int(rng.integers(1, 12)),
                                stop_token_ids=[int(rng.integers(0, 256))]) for _ in prompts]
     engine = Engine(model, num_slots=8, max_len=72, chunk_size=16)
+    engine.precompile()
     before = engine.compilations()
-    results = generate(model, prompts, sampling, engine=engine)
+    with CompileClock() as clock:
+        results = generate(model, prompts, sampling, engine=engine)
+    assert clock.programs == 0  # every program came from precompile
     assert len(results) == 100
     for r, sp, p in zip(results, sampling, prompts):
         assert 1 <= len(r.tokens) <= sp.max_tokens and r.prompt_tokens == len(p)
@@ -76,7 +80,7 @@ def test_hundred_prompts_refill_slots_with_fixed_compilations(load_case):
         assert r.finish_reason == ("stop" if stopped else "length")
         assert not any(t in sp.stop_token_ids for t in r.tokens[:-1])
     first = engine.compilations()
-    assert first - before <= 5  # one decode + one prefill program per row bucket (1, 2, 4, 8)
+    assert first - before <= 1 + 1 + 4 + 2  # cache, decode, prefill per row bucket (1, 2, 4, 8), 2 samplers
     more = [list(rng.integers(0, model.cfg.vocab_size, rng.integers(1, 60))) for _ in range(30)]
     generate(model, more, SamplingParams(temperature=0.0, max_tokens=5), engine=engine)
     assert engine.compilations() == first

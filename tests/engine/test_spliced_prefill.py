@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from dsjax.config import ModelConfig
+from dsjax.engine.compiles import CompileClock
 from dsjax.engine.sampling import SamplingArrays, SamplingParams
 from dsjax.engine.scheduler import Request, run
 from dsjax.engine.steps import Engine, Spliced
@@ -128,3 +129,19 @@ def test_images_encode_in_padded_buckets_as_they_would_alone():
     assert Engine.compilations() - before == 2
     with pytest.raises(ValueError, match="no image encoder"):
         Engine(DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)), 1, 16).encode_image(pixels)
+
+
+def test_an_image_job_runs_text_through_the_spliced_program_with_the_same_results(model):
+    """After `precompile(images=True)` every chunk takes the spliced program (one program per row bucket
+    for an image job); a chunk of text then splices nothing and gives what the text-only program gives."""
+    sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * 2, range(2))
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21]]
+    text = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    _, a = text.prefill(text.new_cache(), prompts, [0, 1], sampling)
+    images = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    assert images.precompile(images=True, buckets=[2]) == 1 + 1 + 1 + 6
+    with CompileClock() as clock:
+        _, b = images.prefill(images.new_cache(), prompts, [0, 1], sampling)
+    assert clock.programs == 0 and images.spliced_prefill
+    np.testing.assert_array_equal(np.asarray(a.token), np.asarray(b.token))
+    np.testing.assert_array_equal(np.asarray(a.logprob), np.asarray(b.logprob))
