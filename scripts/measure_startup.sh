@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Start-up of `dsjax generate`, cold (an empty compile cache) and warm (the same command again), for the
+# demo and for 512 requests on a synthetic 4-layer V4-Flash FP8/FP4 checkpoint; then `dsjax bench --model`
+# on that checkpoint. Each run's summary JSON and log go to OUT (default: a temporary folder); the compile
+# cache is a fresh folder outside it (so that OUT stays a few files), removed at the end.
+#
+#   bash scripts/measure_startup.sh [OUT] [BENCH_SECONDS]
+set -uo pipefail
+out=${1:-$(mktemp -d)}
+bench_s=${2:-120}
+mkdir -p "$out"
+export DSJAX_CACHE_DIR=$(mktemp -d)
+trap 'rm -rf "$DSJAX_CACHE_DIR"' EXIT
+py=${PYTHON:-python3}
+dsjax() { "$py" -m dsjax.cli "$@"; }
+timed() {  # name, command...: wall seconds into $out/<name>.wall, output into $out/<name>.log
+  local name=$1; shift
+  local t0; t0=$(date +%s.%N)
+  "$@" > "$out/$name.log" 2>&1
+  echo "rc $?" >> "$out/$name.log"
+  awk "BEGIN{print $(date +%s.%N) - $t0}" > "$out/$name.wall"
+}
+timed demo_cold dsjax generate --demo --output "$out/demo_cold.jsonl"
+timed demo_warm dsjax generate --demo --output "$out/demo_warm.jsonl"
+"$py" scripts/make_synthetic_checkpoint.py /tmp/v4f4 --preset v4-flash --layers 4 > "$out/checkpoint.log" 2>&1
+"$py" scripts/make_requests.py /tmp/req.jsonl --count 512 >> "$out/checkpoint.log" 2>&1
+for run in cold warm; do
+  timed "job_$run" dsjax generate --model /tmp/v4f4 --input /tmp/req.jsonl --output "$out/job_$run.jsonl" \
+    --max-batch 64 --max-len 1024
+done
+timeout "$bench_s" "$py" -m dsjax.cli bench --model /tmp/v4f4 --weights fp8 --batch 64 --prompt-len 256 \
+  --gen-len 64 --no-breakdown --json "$out/bench.jsonl" > "$out/bench.log" 2>&1
+echo "bench rc $?" >> "$out/bench.log"
+for name in demo_cold demo_warm job_cold job_warm; do
+  printf '%-10s wall %6.1f s | ' "$name" "$(cat "$out/$name.wall")"
+  grep -h "^dsjax generate:\|ok, .* failed" "$out/$name.log" | tr '\n' ' ' | cut -c1-400
+  echo
+done
+grep -v "^WARNING" "$out/bench.log" | tail -3
