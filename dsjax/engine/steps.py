@@ -107,6 +107,7 @@ class Engine:
         self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
         self.graphdef, self.params = nnx.split(model)
         self._static = StaticGraph(self.graphdef)
+        self._a_weight = jax.tree.leaves(self.params)[0]  # where the weights live (`_placed`)
         # Set by `precompile(images=True)`: every prefill chunk then runs the program that takes spliced
         # embeddings (with none for a chunk of text), so an image job compiles one program per row bucket.
         self.spliced_prefill = False
@@ -122,7 +123,7 @@ class Engine:
         mesh = jax.sharding.get_mesh()
         if mesh.axis_names:
             return jax.sharding.NamedSharding(mesh, spec)
-        weight = jax.tree.leaves(self.params)[0]
+        weight = self._a_weight
         if not getattr(weight, "committed", False):
             return None
         if isinstance(weight.sharding, jax.sharding.NamedSharding):  # weights on a mesh, none in context
