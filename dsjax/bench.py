@@ -373,8 +373,9 @@ def decode_breakdown(engine: Engine, batch: int, context: int, steps: int = 8, s
                      trace_dir: str | None = None) -> dict:
     """Per-step seconds of each part of the decode step (`attribute_trace`), from `steps` steps on a
     cache whose slots all hold `context` tokens, fed random tokens (the hash routers pick experts by
-    token id: equal tokens would touch few experts). The sampler, a program of its own, is not in it. Cache contents are zeros: the work does not
-    depend on them. `trace_dir` keeps the profiler trace (for Perfetto or TensorBoard)."""
+    token id: equal tokens would touch few experts). The sampler, a program of its own, is not in it.
+    Cache contents are zeros: the work does not depend on them. `trace_dir` keeps the profiler trace (for
+    Perfetto or TensorBoard)."""
     if jax.default_backend() == "cpu":  # XLA:CPU's traces have no kernel events to attribute
         return {}
     cache = engine.new_cache()

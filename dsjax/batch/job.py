@@ -70,15 +70,16 @@ class JobConfig:
     verbose: bool = False  # also the functions that took longest to compile
 
 
-def _pending(path: str, is_done: Callable[[InputLine], bool]) -> tuple[int, bool]:
-    """(lines still to answer, whether any of them holds an image): what the programs compiled before
-    the first request must cover."""
-    pending, images = 0, False
+def _pending(path: str, is_done: Callable[[InputLine], bool]) -> tuple[int, int, bool]:
+    """(lines, lines still to answer, whether any of those holds an image): the progress bar's total, and
+    what the programs compiled before the first request must cover."""
+    total, pending, images = 0, 0, False
     for line in read_lines(path):
+        total += 1
         if not is_done(line):
             pending += 1
             images = images or (not line.error and count_images(line.body) > 0)
-    return pending, images
+    return total, pending, images
 
 
 def _phase_printer(on: bool) -> Callable[[str], None]:
@@ -91,11 +92,6 @@ def _phase_printer(on: bool) -> Callable[[str], None]:
 
 def summary_path(output: str) -> str:
     return os.path.splitext(output)[0] + ".summary.json"
-
-
-def _count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for raw in f if raw.strip())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +187,9 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
     with CompileClock() as clock:
         timer = StepTimer(clock)
         try:
-            pending, with_images = _pending(cfg.input, is_done)
+            total, pending, with_images = _pending(cfg.input, is_done)
             if not pending:  # nothing to do: no model to load
-                stats["skipped_done"] = sum(1 for _ in read_lines(cfg.input))
+                stats["skipped_done"] = total
                 results.open()
             else:
                 t = time.perf_counter()
@@ -208,9 +204,10 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                                     chunk_size=min(cfg.chunk_size, setup.context), kv_dtype=cfg.kv_dtype)
                     stopper.check()
                     results.open()
-                    total = _count_lines(cfg.input)
                     bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
                     t_loop, wall_loop = time.perf_counter(), time.time()
+                    programs_before = [None]  # the executables built when the generation began
+
                     def compile_all(first: int, later: int) -> None:
                         """Every program the job can need, before the first request (in parallel): none is
                         compiled mid-job. `first` requests are ready to start; at most `later` follow."""
@@ -223,7 +220,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                         t, built, hits = time.perf_counter(), clock.programs, clock.cache_hits
                         n = engine.precompile(images=with_images and model.vision is not None, buckets=sorted(buckets))
                         phase["precompile"] = time.perf_counter() - t
-                        phase["loop_programs"] = -clock.programs  # what follows is the generation's
+                        programs_before[0] = clock.programs  # what follows is the generation's
                         say(f"compiled {n} programs in {phase['precompile']:.1f} s ({clock.cache_hits - hits} of "
                             f"{clock.programs - built} executables from the compile cache)")
                         if cfg.verbose:
@@ -240,7 +237,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                         bar.close()
                         phase["loop"] = time.perf_counter() - t_loop
                         phase["loop_compile"] = clock.seconds(since=wall_loop)
-                        phase["loop_programs"] += clock.programs
+                        phase["loop_programs"] = 0 if programs_before[0] is None else clock.programs - programs_before[0]
         except KeyboardInterrupt as e:
             stopped_by = stopper.signal or ("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import os
 from typing import Sequence
 
@@ -46,8 +47,6 @@ def prefill_rows(n: int, num_slots: int) -> int:
     shares of the mesh axes that split the cache's slots. Fewer rows than devices could not be split, and
     attention and the indexer would then take their references, not their kernels
     (`kernels.dispatch.over_slots`)."""
-    import math
-
     size = 1
     while size < n:
         size *= 2
@@ -134,9 +133,12 @@ class Engine:
         """Host inputs of a step, placed as `_placed` says. The scheduler passes the host's tokens to the
         first decode step after a prefill and the step in flight's (already placed) to the others: placed
         differently, the step would compile twice, the second time inside the decode loop."""
-        arrays = tuple(jnp.asarray(a) for a in arrays)
+        return self._place(tuple(jnp.asarray(a) for a in arrays))
+
+    def _place(self, tree):
+        """A pytree of device arrays (sampling rows, step inputs), placed as `_placed` says."""
         placed = self._placed(jax.sharding.PartitionSpec())
-        return arrays if placed is None else jax.device_put(arrays, placed)
+        return tree if placed is None else jax.device_put(tree, placed)
 
     def _cache_args(self) -> tuple:
         return self._static, self.params, self.num_slots, self.max_len, self.cache_dtype, self.kv_dtype
@@ -185,7 +187,7 @@ class Engine:
         `sampling` has one row per slot."""
         cache, logits_sv, positions_s = _decode(self._static, self.params, cache,
                                                 *self._put(jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)))
-        return cache, _sample_rows(logits_sv, self._placed_sampling(sampling), positions_s)
+        return cache, _sample_rows(logits_sv, self._place(sampling), positions_s)
 
     def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array) -> jax.stages.Lowered:
         """The decode step (without the sampler) lowered for these arguments (to compile with other
@@ -235,7 +237,7 @@ class Engine:
             cache, logits_sv, positions_s = _prefill_chunk(
                 self._static, self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here,
                 chunk_spliced)
-        return cache, _sample_rows(logits_sv, self._placed_sampling(sampling), positions_s)
+        return cache, _sample_rows(logits_sv, self._place(sampling), positions_s)
 
     def _no_splice_for(self, rows: int) -> tuple[jax.Array, jax.Array]:
         """Spliced-prefill inputs that splice nothing, kept on the device (made once per row bucket)."""
@@ -243,10 +245,6 @@ class Engine:
             self._no_splice[rows] = self._put(np.zeros((rows, self.chunk_size, self.cfg.hidden_size), np.float32),
                                               np.zeros((rows, self.chunk_size), bool))
         return self._no_splice[rows]
-
-    def _placed_sampling(self, sampling: SamplingArrays) -> SamplingArrays:
-        placed = self._placed(jax.sharding.PartitionSpec())
-        return sampling if placed is None else jax.device_put(sampling, placed)
 
     def precompile(self, images: bool = False, modes: Sequence[SamplingModes] = SAMPLER_MODES,
                    buckets: Sequence[int] | None = None, threads: int | None = None) -> int:
@@ -279,7 +277,7 @@ class Engine:
                                                            np.zeros(rows, bool)),
                                                 self._no_splice_for(rows) if self.spliced_prefill else None))
         for m in modes:
-            sampling = dataclasses.replace(self._placed_sampling(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
+            sampling = dataclasses.replace(self._place(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
                                            modes=m)
             lowered.append(_sample_rows.lower(logits, sampling, positions))
         workers = threads or max(1, min(len(lowered), os.cpu_count() or 1))
@@ -356,10 +354,6 @@ def _for_host(tree):
     if not jax.sharding.get_abstract_mesh().axis_names:
         return tree
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec()), tree)
-
-
-def _expand(mask_b, like):
-    return mask_b.reshape(mask_b.shape + (1,) * (like.ndim - 1))
 
 
 def _decode_logits(graphdef, params, cache: Cache, last_tokens_b, active_b):
