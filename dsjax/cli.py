@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 from dsjax.compile_cache import compile_cache
@@ -473,18 +474,38 @@ def _use_compile_cache(scope: contextlib.ExitStack, wanted: bool) -> None:
 
 @contextlib.contextmanager
 def _absl_warnings(shown: bool):
-    """Hide absl's warnings unless `shown` (`-v`). tokamax logs one for every kernel shape its tuning
-    tables lack, hundreds in a job's start-up, although it then simply uses its heuristics (its
-    `autotuning_cache_miss_fallback` default): notices, not problems."""
+    """Hide absl's warnings, Python's and XLA's C++ ones, unless `shown` (`-v`). tokamax logs one for every
+    kernel shape its tuning tables lack, hundreds in a job's start-up, although it then simply uses its
+    heuristics (its `autotuning_cache_miss_fallback` default); XLA's GEMM autotuner logs its timer's
+    notes on GPUs. Notices, not problems."""
     from absl import logging as absl_logging
+    from jax._src.lib import utils as xla_utils
 
     before = absl_logging.get_verbosity()
+    cpp_before = _cpp_log_level()
+    # The GPU plugin logs through its own copy of absl, which reads TF_CPP_MIN_LOG_LEVEL once, when it
+    # first logs: set for the command, before any backend starts, it quiets the plugin too.
+    set_env = not shown and "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+    if set_env:
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     if not shown:
         absl_logging.set_verbosity(absl_logging.ERROR)
+        xla_utils.absl_set_min_log_level(max(cpp_before, 2))  # 2: errors and worse
     try:
         yield
     finally:
         absl_logging.set_verbosity(before)
+        xla_utils.absl_set_min_log_level(cpp_before)
+        if set_env:
+            os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)
+
+
+def _cpp_log_level() -> int:
+    """XLA's C++ minimum log level as the process started with it (`TF_CPP_MIN_LOG_LEVEL`, else 0)."""
+    try:
+        return max(0, min(3, int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))))
+    except ValueError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -233,9 +233,10 @@ class ModelConfig:
     quantization: QuantConfig | None = None
     # None: text only (V4-Flash). V4.1-Flash reads images through this encoder.
     vision: VisionConfig | None = None
-    # Not architecture: how decode attention and the indexer run. "auto" uses the Pallas kernels on
-    # GPUs and TPUs and the pure-JAX references elsewhere; "reference" uses the references everywhere;
-    # "interpret" runs the GPU kernels interpreted (any backend; slow, for tests). Never written to HF.
+    # Not architecture: how the kernel-backed operations run (attention, the indexer, the experts, mHC's
+    # Sinkhorn: `dsjax.kernels`). "auto" uses the Pallas kernels on GPUs and TPUs and the pure-JAX
+    # references elsewhere; "reference" uses the references everywhere; "interpret" runs the GPU kernels
+    # interpreted (any backend; slow, for tests). Never written to HF.
     kernels: str = "auto"
 
     def __post_init__(self):

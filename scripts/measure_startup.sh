@@ -4,10 +4,14 @@
 # on that checkpoint. Each run's summary JSON and log go to OUT (default: a temporary folder); the compile
 # cache is a fresh folder outside it (so that OUT stays a few files), removed at the end.
 #
-#   bash scripts/measure_startup.sh [OUT] [BENCH_SECONDS]
+#   bash scripts/measure_startup.sh [OUT] [BENCH_SECONDS] [all|demo|job]
+#
+# `demo` runs only the demo's two runs; `job` only the checkpoint's two runs and the benchmark.
 set -uo pipefail
 out=${1:-$(mktemp -d)}
 bench_s=${2:-120}
+what=${3:-all}
+case "$what" in all|demo|job) ;; *) echo "usage: measure_startup.sh [OUT] [BENCH_SECONDS] [all|demo|job]" >&2; exit 2 ;; esac
 mkdir -p "$out"
 export DSJAX_CACHE_DIR=$(mktemp -d)
 trap 'rm -rf "$DSJAX_CACHE_DIR"' EXIT
@@ -20,20 +24,25 @@ timed() {  # name, command...: wall seconds into $out/<name>.wall, output into $
   echo "rc $?" >> "$out/$name.log"
   awk "BEGIN{print $(date +%s.%N) - $t0}" > "$out/$name.wall"
 }
-timed demo_cold dsjax generate --demo --output "$out/demo_cold.jsonl"
-timed demo_warm dsjax generate --demo --output "$out/demo_warm.jsonl"
-"$py" scripts/make_synthetic_checkpoint.py /tmp/v4f4 --preset v4-flash --layers 4 > "$out/checkpoint.log" 2>&1
-"$py" scripts/make_requests.py /tmp/req.jsonl --count 512 >> "$out/checkpoint.log" 2>&1
-for run in cold warm; do
-  timed "job_$run" dsjax generate --model /tmp/v4f4 --input /tmp/req.jsonl --output "$out/job_$run.jsonl" \
-    --max-batch 64 --max-len 1024
-done
-timeout "$bench_s" "$py" -m dsjax.cli bench --model /tmp/v4f4 --weights fp8 --batch 64 --prompt-len 256 \
-  --gen-len 64 --no-breakdown --json "$out/bench.jsonl" > "$out/bench.log" 2>&1
-echo "bench rc $?" >> "$out/bench.log"
+if [ "$what" != job ]; then
+  timed demo_cold dsjax generate --demo --output "$out/demo_cold.jsonl"
+  timed demo_warm dsjax generate --demo --output "$out/demo_warm.jsonl"
+fi
+if [ "$what" != demo ]; then
+  "$py" scripts/make_synthetic_checkpoint.py /tmp/v4f4 --preset v4-flash --layers 4 > "$out/checkpoint.log" 2>&1
+  "$py" scripts/make_requests.py /tmp/req.jsonl --count 512 >> "$out/checkpoint.log" 2>&1
+  for run in cold warm; do
+    timed "job_$run" dsjax generate --model /tmp/v4f4 --input /tmp/req.jsonl --output "$out/job_$run.jsonl" \
+      --max-batch 64 --max-len 1024
+  done
+  timeout "$bench_s" "$py" -m dsjax.cli bench --model /tmp/v4f4 --weights fp8 --batch 64 --prompt-len 256 \
+    --gen-len 64 --no-breakdown --json "$out/bench.jsonl" > "$out/bench.log" 2>&1
+  echo "bench rc $?" >> "$out/bench.log"
+fi
 for name in demo_cold demo_warm job_cold job_warm; do
+  [ -f "$out/$name.wall" ] || continue
   printf '%-10s wall %6.1f s | ' "$name" "$(cat "$out/$name.wall")"
   grep -h "^dsjax generate:\|ok, .* failed" "$out/$name.log" | tr '\n' ' ' | cut -c1-400
   echo
 done
-grep -v "^WARNING" "$out/bench.log" | tail -3
+[ -f "$out/bench.log" ] && grep -v "^WARNING" "$out/bench.log" | tail -3

@@ -141,23 +141,26 @@ def test_a_command_run_in_process_leaves_jax_and_absl_as_it_found_them(monkeypat
     def fake_generate(args):  # stands in for the job: what does a command run with?
         seen["dir"] = jax.config.jax_compilation_cache_dir
         seen["min_secs"] = jax.config.jax_persistent_cache_min_compile_time_secs
+        seen["cpp_level"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL")  # what the GPU plugin reads
         absl_logging.warning("a notice from absl")
         absl_logging.error("an error from absl")
         return 0
 
     monkeypatch.setattr(cli, "_generate", fake_generate)
     monkeypatch.setenv("DSJAX_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
               jax.config.jax_compilation_cache_max_size, absl_logging.get_verbosity())
     assert cli.main(["generate", "--demo"]) == 0
-    assert seen == {"dir": str(tmp_path / "c" / "jax"), "min_secs": 0}
+    assert seen == {"dir": str(tmp_path / "c" / "jax"), "min_secs": 0, "cpp_level": "2"}  # XLA's warnings hidden
     assert "an error from absl" in caplog.text and "a notice from absl" not in caplog.text
     caplog.clear()
     assert cli.main(["generate", "--demo", "-v", "--no-compile-cache"]) == 0
-    assert seen == {"dir": None, "min_secs": 1.0}  # jax's defaults: no persistent cache at all
+    assert seen == {"dir": None, "min_secs": 1.0, "cpp_level": None}  # jax's defaults: no persistent cache
     assert "a notice from absl" in caplog.text
     assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
             jax.config.jax_compilation_cache_max_size, absl_logging.get_verbosity()) == before
+    assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ
 
 
 def test_a_second_run_loads_every_program_from_the_cache(cold, tiny_job, tmp_path):

@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.config import ModelConfig
+from dsjax.kernels.sinkhorn.op import sinkhorn
 from dsjax.layers.norms import unweighted_rms_norm
 from dsjax.layers.numerics import einsum
-
-
-def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:
-    """Column-normalise, then `iters−1` rounds of row+column normalisation (ends column-normalised)."""
-    def normalise(c, axis):
-        return c / (jnp.sum(c, axis=axis, keepdims=True) + eps)
-
-    comb = normalise(comb, -2)
-    rounds = functools.partial(jax.lax.fori_loop, 0, max(iters - 1, 0), lambda _, c: normalise(normalise(c, -1), -2))
-    # On accelerators the rounds are unrolled so that they fuse into one kernel instead of a device loop
-    # of small kernels per round (about 600 launches per decode step at 4 layers on an H200); on CPUs,
-    # where a loop costs nothing, the unrolled form only makes every compile slower (+40%).
-    return jax.lax.platform_dependent(comb, cpu=rounds, default=functools.partial(rounds, unroll=True))
 
 
 def collapse(pre_bsn: jax.Array, h_bsnh: jax.Array) -> jax.Array:
@@ -53,7 +39,7 @@ class HyperConnection(nnx.Module):
         post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * s_post + base[n:2 * n])
         comb_logits = mix[..., 2 * n:].reshape(b, s, n, n) * s_comb + base[2 * n:].reshape(n, n)
         comb = jax.nn.softmax(comb_logits, axis=-1) + cfg.hc_eps
-        comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps, kernels=cfg.kernels)
         return post, comb, collapse(pre, h_bsnh)
 
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.layers.mhc import sinkhorn
+from dsjax.kernels.sinkhorn.op import sinkhorn
 from tests.helpers import CASES, assert_close
 
 

@@ -1,0 +1,1 @@
+"""Sinkhorn normalisation of mHC's stream-mixing matrices."""

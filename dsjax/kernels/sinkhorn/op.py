@@ -1,0 +1,23 @@
+"""mHC's Sinkhorn normalisation as the model calls it: the GPU kernel where it applies, else the
+pure-JAX reference (`dispatch.py`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from dsjax.kernels.dispatch import dispatch, over_slots
+from dsjax.kernels.sinkhorn.gpu import sinkhorn_gpu
+from dsjax.kernels.sinkhorn.reference import sinkhorn_reference
+
+
+def sinkhorn(comb: jax.Array, iters: int, eps: float, *, kernels: str = "auto") -> jax.Array:
+    """`reference.sinkhorn_reference`'s result for `comb [B, ..., n, n]`, by the kernel `kernels` selects
+    for the platform (under a mesh, on each device's rows: `dispatch.over_slots`)."""
+    return over_slots(functools.partial(_sinkhorn, iters=iters, eps=eps, kernels=kernels), dict(comb=comb))
+
+
+def _sinkhorn(comb, iters, eps, *, kernels):
+    return dispatch(functools.partial(sinkhorn_reference, comb, iters, eps), kernels=kernels,
+                    gpu=lambda interpret: sinkhorn_gpu(comb, iters, eps, interpret=interpret))
