@@ -27,10 +27,11 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import layer_cache
+from dsjax.compile_cache import program_store
 from dsjax.config import CSA, HCA, ModelConfig
 from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.scheduler import Request, run
-from dsjax.engine.steps import Engine
+from dsjax.engine.steps import Engine, prefill_rows
 from dsjax.info import component
 from dsjax.model import DeepseekV4
 from dsjax.quantize import V4_QUANT
@@ -343,9 +344,10 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, k
                       "peak_memory_bytes_per_device": peaks}
     cfg = model.cfg
     engine = Engine(model, num_slots=batch, max_len=prompt_len + gen_len, chunk_size=chunk_size,
-                    kv_dtype=kv_dtype)
+                    kv_dtype=kv_dtype, programs=program_store())
     requests = _requests(cfg, batch, prompt_len, gen_len, seed)
-    engine.precompile(modes=[SamplingModes.of([requests[0].sampling])])  # every program, in parallel
+    # Every program the run takes, in parallel (all requests start together: one prefill size).
+    engine.precompile(modes=[SamplingModes.of([requests[0].sampling])], buckets=[prefill_rows(batch, batch)])
     _timed_run(engine, [dataclasses.replace(r, sampling=SamplingParams(temperature=0.0, max_tokens=2))
                         for r in requests])  # a first run of each step, outside the measurement
     compiled = Engine.compilations()

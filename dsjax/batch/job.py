@@ -34,6 +34,7 @@ from dsjax.batch.images import ImageResolver, count_images
 from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
 from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
 from dsjax.batch.results import InputFingerprint, ResultsFile, check_output, error_record, success_record
+from dsjax.compile_cache import program_store
 from dsjax.config import ModelConfig
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.generate import request_seed
@@ -181,7 +182,8 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
             results.close()
             raise
     stats = {"ok": 0, "failed": 0, "skipped_done": 0, "prompt_tokens": 0, "generated_tokens": 0}
-    phase = {"load": 0.0, "load_end": 0.0, "precompile": 0.0, "loop": 0.0, "loop_compile": 0.0, "loop_programs": 0}
+    phase = {"load": 0.0, "load_end": 0.0, "precompile": 0.0, "loop": 0.0, "loop_compile": 0.0, "loop_programs": 0,
+             "programs_loaded": 0, "load_programs": 0.0}
     stopped_by = None
     say = _phase_printer(cfg.progress and main)
     with CompileClock() as clock:
@@ -201,7 +203,8 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                 stopper.check()
                 with jax.set_mesh(setup.mesh) if setup.mesh is not None else contextlib.nullcontext():
                     engine = Engine(model, num_slots=cfg.max_batch, max_len=setup.context,
-                                    chunk_size=min(cfg.chunk_size, setup.context), kv_dtype=cfg.kv_dtype)
+                                    chunk_size=min(cfg.chunk_size, setup.context), kv_dtype=cfg.kv_dtype,
+                                    programs=program_store())
                     stopper.check()
                     results.open()
                     bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
@@ -214,15 +217,24 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                         if not first and not later:  # no request will run
                             return
                         slots = cfg.max_batch
-                        buckets = {prefill_rows(min(first, slots), slots)} if first else set()
-                        if later:
-                            buckets |= set(prefill_buckets(slots, later))
+                        reachable = set(prefill_buckets(slots, later)) if later else set()
+                        # The first window's bucket now; the others a prefill may take later in the
+                        # background (on one process: processes must run the same programs in step).
+                        now = {prefill_rows(min(first, slots), slots) if first else max(reachable)}
+                        background = reachable - now if distributed.process_count() == 1 else set()
+                        now |= reachable - background
                         t, built, hits = time.perf_counter(), clock.programs, clock.cache_hits
-                        n = engine.precompile(images=with_images and model.vision is not None, buckets=sorted(buckets))
+                        n = engine.precompile(images=with_images and model.vision is not None, buckets=sorted(now),
+                                              later=sorted(background))
                         phase["precompile"] = time.perf_counter() - t
                         programs_before[0] = clock.programs  # what follows is the generation's
-                        say(f"compiled {n} programs in {phase['precompile']:.1f} s ({clock.cache_hits - hits} of "
-                            f"{clock.programs - built} executables from the compile cache)")
+                        loaded = engine.programs_loaded
+                        phase["programs_loaded"], phase["load_programs"] = loaded, engine.load_seconds
+                        pending = len(engine.pending_buckets())
+                        say(f"compiled {n - pending} programs in {phase['precompile']:.1f} s ({loaded} loaded whole, "
+                            f"{clock.cache_hits - hits} of {clock.programs - built} executables from the compile cache)"
+                            + (f"; {pending} more prefill size{'s' * (pending > 1)} compiling alongside the work"
+                               if pending else ""))
                         if cfg.verbose:
                             for name, secs in clock.slowest():
                                 say("  " + name + ": " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items()))
@@ -234,6 +246,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                         _run(cfg, engine, setup.recipe, results, is_done, stats, timer, bar, working, stopper.check,
                              compile_all, pending)
                     finally:
+                        engine.close()
                         bar.close()
                         phase["loop"] = time.perf_counter() - t_loop
                         phase["loop_compile"] = clock.seconds(since=wall_loop)
@@ -254,12 +267,18 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
         # Start-up apart from work: loading the weights, jax preparing programs (in the loop too, where
         # a step first runs), and the generation loop without that.
         "load_seconds": round(phase["load"], 3),
-        "compile_seconds": round(clock.seconds(), 3),
+        # jax's spans, and the seconds loading whole programs from dsjax's store (no span of jax's covers them)
+        "compile_seconds": round(clock.seconds() + phase["load_programs"], 3),
         "precompile_seconds": round(phase["precompile"], 3),  # wall time of compiling before the first request
-        "programs_compiled": clock.programs,
+        "programs_compiled": clock.programs,  # executables jax built or loaded from its cache
         "programs_from_cache": clock.cache_hits,
+        "programs_loaded": phase["programs_loaded"],  # the engine's programs, loaded whole from dsjax's store
         # Built inside the generation loop: only image encoders, one per new image size bucket.
         "programs_compiled_during_generation": phase["loop_programs"],
+        # Prefill sizes the first requests did not need, built in a background thread alongside the work
+        # (a prefill meanwhile takes a larger size that is ready); not in the seconds above or below.
+        "programs_compiled_in_background": clock.background_programs,
+        "background_compile_seconds": round(clock.background_seconds(), 3),
         "generation_seconds": round(generation, 3),
         # When the first response was written, from the job's start, and from the end of loading weights.
         "first_result_seconds": _since(stats.get("first_result_at"), t_start),
@@ -297,6 +316,8 @@ def _since(t: float | None, start: float) -> float | None:
 def format_summary(s: dict[str, Any]) -> str:
     """The job's closing line: counts, then start-up apart from the generation loop's throughput."""
     cached = f", {s['programs_from_cache']} from the cache" if s["programs_from_cache"] else ""
+    if s.get("programs_loaded"):
+        cached += f"; {s['programs_loaded']} loaded whole"
     return (f"{s['requests_ok']} ok, {s['requests_failed']} failed, {s['requests_already_done']} already done; "
             f"{s['prompt_tokens']:,} prompt and {s['generated_tokens']:,} generated tokens in {s['wall_seconds']:.1f} s: "
             f"load {s['load_seconds']:.1f} s, compile {s['compile_seconds']:.1f} s ({s['programs_compiled']} "

@@ -16,6 +16,8 @@ _PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
            "/jax/core/compile/backend_compile_duration": "compile"}
 _COMPILED = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+# The name of `Engine.precompile`'s background thread: what it compiles is counted apart.
+BACKGROUND_THREAD = "dsjax-background-compile"
 
 
 class CompileClock:
@@ -29,8 +31,16 @@ class CompileClock:
         # Seconds jax spent per function and phase ("trace", "lower", "compile"), for `-v` reports.
         self.by_function: dict[str, dict[str, float]] = {}
         self._mu = threading.Lock()
+        # What `Engine.precompile`'s background thread prepared, kept out of everything above.
+        self.background_programs = 0
+        self._background_spans: list[tuple[float, float]] = []
 
     def _span(self, event: str, start: float, end: float, fun_name: str = "?", **_) -> None:
+        if event in _PHASES and threading.current_thread().name == BACKGROUND_THREAD:
+            with self._mu:  # built alongside the work, not before or inside it: counted apart
+                self.background_programs += event == _COMPILED
+                self._background_spans = _merged([*self._background_spans, (start, end)])
+            return
         if event in _PHASES:
             with self._mu:  # spans come only while compiling: merging here keeps `seconds()` cheap
                 self._spans = _merged([*self._spans, (start, end)])
@@ -60,6 +70,11 @@ class CompileClock:
                 return self._total
             return sum(e - max(s, since) for s, e in self._spans if e > since)
 
+
+    def background_seconds(self) -> float:
+        """Wall seconds covered by the background thread's compile spans."""
+        with self._mu:
+            return sum(e - s for s, e in self._background_spans)
 
     def slowest(self, n: int = 8) -> list[tuple[str, dict[str, float]]]:
         """The `n` functions jax spent longest preparing, with their seconds per phase."""

@@ -15,7 +15,7 @@ import numpy as np
 
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.sampling import SamplingArrays, SamplingParams
-from dsjax.engine.steps import Engine, Spliced, prefill_rows
+from dsjax.engine.steps import Engine, Spliced
 
 _IDLE = SamplingParams(temperature=0.0)
 
@@ -88,7 +88,7 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     timer = timer or StepTimer()
     n = engine.num_slots
     slots = _Slots(n, engine.max_len)
-    cache = engine.new_cache()
+    cache = None  # made at the first prefill: the first request may be what precompiles its program
     pending = iter(requests)
     exhausted = False
     inflight = None  # the decode step dispatched last, not read yet: (sampled, [(slot, request), ...])
@@ -106,6 +106,8 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
                 if inflight is not None:  # the host's view must be current before slots change hands
                     yield from _read(slots, inflight, cancelled, timer)
                     inflight = None
+                if cache is None:
+                    cache = engine.new_cache()
                 with timer:
                     cache, events = _prefill(engine, cache, slots, new)
                 for ev in events:
@@ -176,7 +178,7 @@ def _drop_if_cancelled(slots: _Slots, ev: TokenEvent, cancelled: set[int]) -> No
 
 def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]]):
     taken = {s for s, _ in new}
-    size = prefill_rows(len(new), engine.num_slots)
+    size = engine.prefill_size(len(new))
     pad = [s for s in range(engine.num_slots) if s not in taken][:size - len(new)]
     for s, r in new:
         slots.request[s] = r

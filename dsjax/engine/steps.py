@@ -12,10 +12,14 @@ first request, in parallel, so none is compiled mid-job.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import hashlib
 import math
 import os
+import threading
+import time
 from typing import Sequence
 
 import jax
@@ -24,6 +28,8 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import Cache, init_cache
+from dsjax.engine.compiles import BACKGROUND_THREAD
+from dsjax.engine.programs import ProgramStore, compile_for_store, describe
 from dsjax.engine.sampling import SAMPLER_MODES, Sampled, SamplingArrays, SamplingModes, SamplingParams, sample
 from dsjax.layers.vision import cell_bucket, fused_attention_fits, layout, pad_cells, patchify
 from dsjax.parallel.rules import slot_axes
@@ -92,10 +98,11 @@ class Engine:
     """Compiled steps for one model, `num_slots` sequences of up to `max_len` tokens, prefill chunks of
     `chunk_size` tokens. `params` are the model's weights (taken once; steps take them as an argument).
     `cache_dtype` is the cache's float dtype (default: the model's); `kv_dtype` "bfloat16", "fp8" or "fp4"
-    stores its K=V rows that way (`dsjax.cache`)."""
+    stores its K=V rows that way (`dsjax.cache`). `programs` keeps the programs `precompile` builds on
+    disk, so that a later process loads them without tracing (`engine.programs`)."""
 
     def __init__(self, model, num_slots: int, max_len: int, chunk_size: int = 64, cache_dtype=None,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, programs: ProgramStore | None = None):
         if num_slots < 1 or max_len < 1 or chunk_size < 1:
             raise ValueError("num_slots, max_len and chunk_size must be positive")
         self.model = model
@@ -104,6 +111,19 @@ class Engine:
         if kv_dtype not in (None, *KV_DTYPES):
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
+        # `precompile`'s programs, by (name, variant), called directly: they skip jit's tracing. Those of
+        # `programs` (a store on disk) are loaded from it when there, and stored when compiled.
+        self.programs = programs
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.fallbacks = 0  # calls whose inputs a precompiled program refused (then jit compiles its own)
+        self._identity: tuple | None = None  # what `_program_key` hashes of the model and engine
+        self.programs_loaded, self.load_seconds = 0, 0.0  # of `precompile`'s programs, from `programs`
+        # Prefill buckets `precompile(later=…)` left to a background thread, until each is ready.
+        self._later: set[int] = set()
+        self._ready = threading.Condition()
+        self._stop = threading.Event()
+        self.background: threading.Thread | None = None
+        self.background_built = 0
         self.graphdef, self.params = nnx.split(model)
         self._static = StaticGraph(self.graphdef)
         self._a_weight = jax.tree.leaves(self.params)[0]  # where the weights live (`_placed`)
@@ -146,11 +166,23 @@ class Engine:
     def new_cache(self) -> Cache:
         """An empty cache (one compiled program); under `jax.set_mesh` each device holds the slots the rules
         give it."""
-        return _new_cache(*self._cache_args())
+        return self._call(("new_cache",), lambda _: _new_cache(*self._cache_args()), self.params)
 
     def _new_logits(self) -> jax.Array:
         return jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32,
                          device=self._placed(jax.sharding.PartitionSpec()))
+
+    def _call(self, slot: tuple, jitted, *args):
+        """`jitted(*args)`, through the precompiled program `slot` when there is one. A program refuses
+        inputs of other shapes or placements before it runs (nothing donated yet): jit then compiles its
+        own, which the job's summary counts as compiled during generation."""
+        compiled = self._compiled.get(slot)
+        if compiled is not None:
+            try:
+                return compiled(*args)
+            except (TypeError, ValueError):
+                self.fallbacks += 1
+        return jitted(*args)
 
     def encode_image(self, pixels_hwc: np.ndarray) -> np.ndarray:
         """One image's embeddings `[image_tokens, hidden]` (float32, on the host) from its `[H, W, 3]`
@@ -185,9 +217,10 @@ class Engine:
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
         """Feed each active slot its last token and sample the next; inactive slots are untouched.
         `sampling` has one row per slot."""
-        cache, logits_sv, positions_s = _decode(self._static, self.params, cache,
-                                                *self._put(jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)))
-        return cache, _sample_rows(logits_sv, self._place(sampling), positions_s)
+        cache, logits_sv, positions_s = self._call(("decode",), functools.partial(_decode, self._static), self.params,
+                                                   cache, *self._put(jnp.asarray(last_tokens, jnp.int32),
+                                                                     jnp.asarray(active, bool)))
+        return cache, self._call(("sample", sampling.modes), _sample_rows, logits_sv, self._place(sampling), positions_s)
 
     def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array) -> jax.stages.Lowered:
         """The decode step (without the sampler) lowered for these arguments (to compile with other
@@ -234,10 +267,10 @@ class Engine:
                 chunk_spliced = self._put(*chunk_spliced)
             elif self.spliced_prefill:
                 chunk_spliced = self._no_splice_for(n)
-            cache, logits_sv, positions_s = _prefill_chunk(
-                self._static, self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here,
-                chunk_spliced)
-        return cache, _sample_rows(logits_sv, self._place(sampling), positions_s)
+            cache, logits_sv, positions_s = self._call(
+                ("prefill", n, chunk_spliced is not None), functools.partial(_prefill_chunk, self._static),
+                self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here, chunk_spliced)
+        return cache, self._call(("sample", sampling.modes), _sample_rows, logits_sv, self._place(sampling), positions_s)
 
     def _no_splice_for(self, rows: int) -> tuple[jax.Array, jax.Array]:
         """Spliced-prefill inputs that splice nothing, kept on the device (made once per row bucket)."""
@@ -247,16 +280,22 @@ class Engine:
         return self._no_splice[rows]
 
     def precompile(self, images: bool = False, modes: Sequence[SamplingModes] = SAMPLER_MODES,
-                   buckets: Sequence[int] | None = None, threads: int | None = None) -> int:
-        """Compile every program a run of this engine can need before it starts: the empty cache, the
+                   buckets: Sequence[int] | None = None, threads: int | None = None,
+                   later: Sequence[int] = ()) -> int:
+        """Build every program a run of this engine can need before it starts: the empty cache, the
         decode step, the prefill chunk for each row count of `buckets` (default: all, `prefill_buckets`),
         and the sampler for each of `modes`. With `images` the prefill programs are those that take
-        spliced embeddings, and every later prefill runs them (`spliced_prefill`). Programs are lowered
-        one after another and compiled in `threads` threads (default: one per program, at most the CPU
-        count); later calls with the same shapes reuse them. Returns the number of programs. (The image
-        encoder compiles per image size bucket as images arrive: image sizes are not bounded ahead.)"""
+        spliced embeddings, and every later prefill runs them (`spliced_prefill`). Programs found in
+        `self.programs` are loaded; the others are lowered one after another and compiled in `threads`
+        threads (default: one per program, at most the CPU count), then stored there. Steps then call
+        them directly. Returns the number of programs. (The image encoder compiles per image size bucket
+        as images arrive: image sizes are not bounded ahead.)
+
+        `later` names more prefill row buckets, built (or loaded) in a background thread once the others
+        are ready, smallest first, while the engine runs: the set of programs is fixed here, and until a
+        bucket is ready a prefill takes the smallest ready one that holds its rows (`prefill_size`).
+        `close()` stops that thread after the program it is building."""
         self.spliced_prefill = self.spliced_prefill or images
-        new_cache = _new_cache.lower(*self._cache_args())
         shapes = jax.eval_shape(lambda: init_cache(self.model, self.num_slots, self.max_len, self.cache_dtype,
                                                    self.kv_dtype))
         specs = _cache_specs(shapes) if jax.sharding.get_mesh().axis_names else jax.tree.map(
@@ -268,22 +307,130 @@ class Engine:
                                       sharding=self._placed(jax.sharding.PartitionSpec()))
         positions = jax.ShapeDtypeStruct((self.num_slots,), jnp.int32, sharding=logits.sharding)
         n, c = self.num_slots, self.chunk_size
-        lowered = [new_cache,
-                   _decode.lower(self._static, self.params, cache, *self._put(np.zeros(n, np.int32), np.zeros(n, bool)))]
-        for rows in sorted(prefill_buckets(n) if buckets is None else set(buckets), reverse=True):
+        # (slot, jitted function, its static arguments, the arguments its compiled form takes)
+        todo = [(("new_cache",), _new_cache, self._cache_args(), (self.params,)),
+                (("decode",), _decode, (self._static,),
+                 (self.params, cache, *self._put(np.zeros(n, np.int32), np.zeros(n, bool))))]
+        def prefill(rows):
             ids = np.zeros(rows, np.int32)
-            lowered.append(_prefill_chunk.lower(self._static, self.params, cache, logits,
-                                                *self._put(np.zeros((rows, c), np.int32), ids, ids, ids,
-                                                           np.zeros(rows, bool)),
-                                                self._no_splice_for(rows) if self.spliced_prefill else None))
+            spliced = self._no_splice_for(rows) if self.spliced_prefill else None
+            return (("prefill", rows, spliced is not None), _prefill_chunk, (self._static,),
+                    (self.params, cache, logits, *self._put(np.zeros((rows, c), np.int32), ids, ids, ids,
+                                                            np.zeros(rows, bool)), spliced))
+
+        now = set(prefill_buckets(n) if buckets is None else buckets)
+        todo += [prefill(rows) for rows in sorted(now, reverse=True)]
         for m in modes:
             sampling = dataclasses.replace(self._place(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
                                            modes=m)
-            lowered.append(_sample_rows.lower(logits, sampling, positions))
-        workers = threads or max(1, min(len(lowered), os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))  # XLA compiles outside the GIL
-        return len(lowered)
+            todo.append((("sample", m), _sample_rows, (), (logits, sampling, positions)))
+        build = []
+        for slot, jitted, static, args in todo:
+            key = self._load(slot, args)
+            if slot not in self._compiled:
+                build.append((slot, key, _lower(jitted, static, args)))
+        if build:
+            workers = threads or max(1, min(len(build), os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                built = list(pool.map(lambda item: compile_for_store(item[2]), build))  # XLA: outside the GIL
+            for (slot, key, _), (compiled, fresh) in zip(build, built):
+                self._compiled[slot] = compiled
+                if key is not None and fresh:
+                    self.programs.save(key, compiled)
+        rest = sorted(set(later) - now)
+        missing = []
+        for slot, jitted, static, args in map(prefill, rest):  # stored ones load now: it takes little
+            key = self._load(slot, args)
+            if slot not in self._compiled:
+                missing.append((slot, key, jitted, static, args))
+        if missing:
+            with self._ready:
+                self._later |= {slot[1] for slot, *_ in missing}
+            self.background = threading.Thread(target=self._build_later, args=(missing, jax.sharding.get_mesh()),
+                                               name=BACKGROUND_THREAD)
+            self.background.start()
+        return len(todo) + len(rest)
+
+    def _load(self, slot: tuple, args: tuple) -> str | None:
+        """Program `slot` from `self.programs` into the steps' table if it is stored there; its key (None
+        without a store)."""
+        key = self._program_key(slot, args) if self.programs is not None else None
+        t = time.perf_counter()
+        compiled = self.programs.load(key) if key is not None else None
+        if compiled is not None:
+            self._compiled[slot] = compiled
+            self.programs_loaded += 1
+            self.load_seconds += time.perf_counter() - t
+        return key
+
+    def _build_later(self, todo: list, mesh) -> None:
+        """`precompile`'s background thread: each later prefill bucket lowered, compiled and stored in
+        turn, and handed to the steps as it is ready."""
+        try:
+            with jax.set_mesh(mesh) if mesh.axis_names else contextlib.nullcontext():  # the mesh is per thread
+                for slot, key, jitted, static, args in todo:
+                    if self._stop.is_set():
+                        break
+                    compiled, fresh = compile_for_store(_lower(jitted, static, args))
+                    if key is not None and fresh:
+                        self.programs.save(key, compiled)
+                    with self._ready:
+                        self._compiled[slot] = compiled
+                        self._later.discard(slot[1])
+                        self.background_built += 1
+                        self._ready.notify_all()
+        finally:
+            with self._ready:  # whatever is left will not come: a prefill must not wait for it
+                self._later.clear()
+                self._ready.notify_all()
+
+    def prefill_size(self, n: int) -> int:
+        """The rows a prefill of `n` new requests runs: `prefill_rows(n)`, or the smallest larger bucket
+        that is ready while that one is still being built in the background (it waits only when no ready
+        bucket holds `n` rows)."""
+        want = prefill_rows(n, self.num_slots)
+        with self._ready:
+            while True:
+                ready = [slot[1] for slot in list(self._compiled)
+                         if slot[0] == "prefill" and slot[2] == self.spliced_prefill and slot[1] >= want]
+                if want in ready or not self._later:
+                    return want if want in ready or not ready else min(ready)
+                if ready:
+                    return min(ready)
+                self._ready.wait()
+
+    def pending_buckets(self) -> list[int]:
+        """The prefill buckets still being built in the background."""
+        with self._ready:
+            return sorted(self._later)
+
+    def close(self) -> None:
+        """Stop building later buckets after the one in progress (which is still stored)."""
+        self._stop.set()
+
+    def _program_key(self, slot: tuple, args: tuple) -> str | None:
+        """The store's key for program `slot` of this engine called with `args`: the model's structure and
+        the engine's shapes (not for the sampler, which holds neither), the mesh in context and the inputs
+        (`programs.describe`). None on several processes, where programs are not stored (each process
+        compiles for its own devices)."""
+        if jax.process_count() > 1:
+            return None
+        if self._identity is None:
+            graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
+            self._identity = (graph, repr(self.cfg), self.num_slots, self.max_len, self.chunk_size,
+                              repr(self.cache_dtype), self.kv_dtype)
+        mesh = jax.sharding.get_mesh()
+        if slot[0] == "sample":  # the sampler holds nothing of the model or the cache: engines share it
+            return self.programs.key(slot, repr(mesh), describe(args))
+        return self.programs.key(self._identity, slot, repr(mesh), describe(args))
+
+
+def _lower(jitted, static: tuple, args: tuple) -> jax.stages.Lowered:
+    """`jitted` lowered for its static arguments and `args` (for `_new_cache`, whose statics surround its
+    one array argument, `static` is its whole argument list)."""
+    if jitted is _new_cache:
+        return jitted.lower(*static)
+    return jitted.lower(*static, *args)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,3 +49,68 @@ def test_prefill_rows_come_in_whole_shares_of_the_slot_axes():
         assert [prefill_rows(n, 16) for n in counts] == [8, 8, 8, 8, 8, 16]
         assert [prefill_rows(n, 4) for n in (1, 2, 3, 4)] == [2, 2, 4, 4]
         assert prefill_rows(1, 5) == 1  # 5 slots: no axis splits them
+
+
+def _held_back(monkeypatch, rows_held: set[int]):
+    """Make the background thread wait, before lowering each bucket in `rows_held`, until released."""
+    import threading
+
+    from dsjax.engine import steps
+
+    gate, gate.reached = threading.Event(), threading.Event()
+    lower = steps._lower
+
+    def held(jitted, static, args):
+        if jitted is steps._prefill_chunk and args[3].shape[0] in rows_held:  # the chunk's tokens: [rows, c]
+            gate.reached.set()
+            gate.wait(timeout=120)
+        return lower(jitted, static, args)
+
+    monkeypatch.setattr(steps, "_lower", held)
+    return gate
+
+
+def test_later_buckets_build_in_the_background_and_a_prefill_meanwhile_takes_a_larger_ready_one(
+        load_case, monkeypatch):
+    model = load_case("mixed")
+    gate = _held_back(monkeypatch, {1})
+    engine = Engine(model, num_slots=4, max_len=32, chunk_size=8)
+    assert engine.precompile(buckets=[4], later=[1, 2]) == 2 + 1 + len(SAMPLER_MODES) + 2
+    assert engine.pending_buckets() == [1, 2] and engine.prefill_size(1) == 4  # bucket 1 is held back
+    prompts, asks = [[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=3)
+    with CompileClock() as clock:
+        early = generate(model, prompts, asks, engine=engine)  # one request, 4 rows: nothing compiled here
+        assert clock.programs == 0
+        gate.set()
+        engine.background.join(timeout=300)
+    assert engine.pending_buckets() == [] and engine.background_built == 2
+    assert clock.programs == 0 and clock.background_programs >= 2  # counted apart from the work
+    assert engine.prefill_size(1) == 1 and engine.prefill_size(2) == 2 and engine.prefill_size(3) == 4
+    assert generate(model, prompts, asks, engine=engine)[0].tokens == early[0].tokens  # now through bucket 1
+    assert engine.fallbacks == 0
+
+
+def test_a_prefill_waits_for_a_bucket_only_when_no_ready_one_holds_its_rows(load_case, monkeypatch):
+    import threading
+
+    model = load_case("mixed")
+    gate = _held_back(monkeypatch, {2})
+    engine = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    engine.precompile(buckets=[1], later=[2])
+    assert engine.prefill_size(1) == 1
+    threading.Timer(0.5, gate.set).start()
+    assert engine.prefill_size(2) == 2  # waited for it: no ready bucket holds two rows
+    assert engine.pending_buckets() == []
+
+
+def test_close_stops_the_background_after_the_bucket_in_progress(load_case, monkeypatch):
+    model = load_case("mixed")
+    gate = _held_back(monkeypatch, {1})
+    engine = Engine(model, num_slots=8, max_len=32, chunk_size=8)
+    engine.precompile(buckets=[8], later=[1, 2, 4], modes=SAMPLER_MODES[:1])
+    assert gate.reached.wait(timeout=120)  # building bucket 1
+    engine.close()
+    gate.set()
+    engine.background.join(timeout=300)
+    assert engine.background_built == 1 and engine.pending_buckets() == []
+    assert engine.prefill_size(1) == 1 and engine.prefill_size(2) == 8  # 2 never came: the next ready one
