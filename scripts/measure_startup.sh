@@ -39,10 +39,23 @@ if [ "$what" != demo ]; then
     --gen-len 64 --no-breakdown --json "$out/bench.jsonl" > "$out/bench.log" 2>&1
   echo "bench rc $?" >> "$out/bench.log"
 fi
-for name in demo_cold demo_warm job_cold job_warm; do
-  [ -f "$out/$name.wall" ] || continue
-  printf '%-10s wall %6.1f s | ' "$name" "$(cat "$out/$name.wall")"
-  grep -h "^dsjax generate:\|ok, .* failed" "$out/$name.log" | tr '\n' ' ' | cut -c1-400
-  echo
-done
+# One row per run: from its summary, and the warning lines its output holds (absl's, XLA's C++ ones).
+"$py" - "$out" <<'PY'
+import json, os, re, sys
+out = sys.argv[1]
+print(f"{'run':<10} {'wall':>6} {'load':>5} {'precomp':>7} {'1st after load':>14} {'loaded':>6} "
+      f"{'jax cache':>9} {'bg':>3} {'gen tok/s':>9} {'warnings':>8}")
+for name in ("demo_cold", "demo_warm", "job_cold", "job_warm"):
+    path = os.path.join(out, name + ".summary.json")
+    if not os.path.exists(path):
+        continue
+    s = json.load(open(path))
+    wall = float(open(os.path.join(out, name + ".wall")).read())
+    log = open(os.path.join(out, name + ".log"), errors="replace").read()
+    warnings = len(re.findall(r"^(WARNING:|W\d{4} )", log, re.M))
+    print(f"{name:<10} {wall:6.1f} {s['load_seconds']:5.1f} {s['precompile_seconds']:7.1f} "
+          f"{s['first_result_after_load_seconds'] or 0:14.1f} {s.get('programs_loaded', 0):6d} "
+          f"{s['programs_from_cache']:4d}/{s['programs_compiled']:<4d} {s.get('programs_compiled_in_background', 0):3d} "
+          f"{s['generated_tokens_per_second']:9.0f} {warnings:8d}")
+PY
 [ -f "$out/bench.log" ] && grep -v "^WARNING" "$out/bench.log" | tail -3

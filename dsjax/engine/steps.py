@@ -18,6 +18,7 @@ import functools
 import hashlib
 import math
 import os
+import sys
 import threading
 import time
 from typing import Sequence
@@ -366,12 +367,19 @@ class Engine:
     def _build_later(self, todo: list, mesh) -> None:
         """`precompile`'s background thread: each later prefill bucket lowered, compiled and stored in
         turn, and handed to the steps as it is ready."""
+        # Tracing and lowering hold the GIL: the engine's own thread, which needs it for a moment per step,
+        # gets it back within a tenth of a millisecond rather than Python's default 5 ms.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, 1e-4))
         try:
             with jax.set_mesh(mesh) if mesh.axis_names else contextlib.nullcontext():  # the mesh is per thread
                 for slot, key, jitted, static, args in todo:
                     if self._stop.is_set():
                         break
-                    compiled, fresh = compile_for_store(_lower(jitted, static, args))
+                    lowered = _lower(jitted, static, args)
+                    if self._stop.is_set():  # stopped while lowering: no compile for the process to wait for
+                        break
+                    compiled, fresh = compile_for_store(lowered)
                     if key is not None and fresh:
                         self.programs.save(key, compiled)
                     with self._ready:
@@ -380,6 +388,7 @@ class Engine:
                         self.background_built += 1
                         self._ready.notify_all()
         finally:
+            sys.setswitchinterval(interval)
             with self._ready:  # whatever is left will not come: a prefill must not wait for it
                 self._later.clear()
                 self._ready.notify_all()
