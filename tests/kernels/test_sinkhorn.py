@@ -70,3 +70,14 @@ def test_the_op_runs_the_kernel_when_asked_to_interpret():
         assert_close(got, want, rtol=1e-5)  # (and so rounds) the two differently
     else:
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kernels", ["interpret", "auto"])
+def test_the_op_differentiates_as_the_reference(kernels):
+    """Training takes gradients through mHC: the op's derivative is the reference's, whatever runs forward."""
+    c = comb(9, (3, 1, 4, 4))
+    weights = jnp.asarray(np.random.default_rng(10).normal(size=c.shape), jnp.float32)
+    loss = lambda f: (lambda x: jnp.sum(f(x) * weights))  # noqa: E731
+    got = jax.grad(loss(lambda x: sinkhorn(x, 20, 1e-6, kernels=kernels)))(c)
+    want = jax.grad(loss(lambda x: sinkhorn_reference(x, 20, 1e-6)))(c)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
