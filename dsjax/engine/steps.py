@@ -127,6 +127,9 @@ class Engine:
         self.background_built = 0
         self.graphdef, self.params = nnx.split(model)
         self._static = StaticGraph(self.graphdef)
+        # The jitted steps with their graph bound, made once: `_call` falls back to them.
+        self._decode_jit = functools.partial(_decode, self._static)
+        self._prefill_jit = functools.partial(_prefill_chunk, self._static)
         self._a_weight = jax.tree.leaves(self.params)[0]  # where the weights live (`_placed`)
         # Set by `precompile(images=True)`: every prefill chunk then runs the program that takes spliced
         # embeddings (with none for a chunk of text), so an image job compiles one program per row bucket.
@@ -218,7 +221,7 @@ class Engine:
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
         """Feed each active slot its last token and sample the next; inactive slots are untouched.
         `sampling` has one row per slot."""
-        cache, logits_sv, positions_s = self._call(("decode",), functools.partial(_decode, self._static), self.params,
+        cache, logits_sv, positions_s = self._call(("decode",), self._decode_jit, self.params,
                                                    cache, *self._put(jnp.asarray(last_tokens, jnp.int32),
                                                                      jnp.asarray(active, bool)))
         return cache, self._call(("sample", sampling.modes), _sample_rows, logits_sv, self._place(sampling), positions_s)
@@ -269,7 +272,7 @@ class Engine:
             elif self.spliced_prefill:
                 chunk_spliced = self._no_splice_for(n)
             cache, logits_sv, positions_s = self._call(
-                ("prefill", n, chunk_spliced is not None), functools.partial(_prefill_chunk, self._static),
+                ("prefill", n, chunk_spliced is not None), self._prefill_jit,
                 self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here, chunk_spliced)
         return cache, self._call(("sample", sampling.modes), _sample_rows, logits_sv, self._place(sampling), positions_s)
 
@@ -325,25 +328,15 @@ class Engine:
             sampling = dataclasses.replace(self._place(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
                                            modes=m)
             todo.append((("sample", m), _sample_rows, (), (logits, sampling, positions)))
-        build = []
-        for slot, jitted, static, args in todo:
-            key = self._load(slot, args)
-            if slot not in self._compiled:
-                build.append((slot, key, _lower(jitted, static, args)))
+        build = [(slot, key, _lower(jitted, static, args)) for slot, key, jitted, static, args in self._unstored(todo)]
         if build:
             workers = threads or max(1, min(len(build), os.cpu_count() or 1))
             with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                 built = list(pool.map(lambda item: compile_for_store(item[2]), build))  # XLA: outside the GIL
-            for (slot, key, _), (compiled, fresh) in zip(build, built):
-                self._compiled[slot] = compiled
-                if key is not None and fresh:
-                    self.programs.save(key, compiled)
+            for (slot, key, _), compiled in zip(build, built):
+                self._keep(slot, key, *compiled)
         rest = sorted(set(later) - now)
-        missing = []
-        for slot, jitted, static, args in map(prefill, rest):  # stored ones load now: it takes little
-            key = self._load(slot, args)
-            if slot not in self._compiled:
-                missing.append((slot, key, jitted, static, args))
+        missing = self._unstored(map(prefill, rest))  # stored ones load now: it takes little
         if missing:
             with self._ready:
                 self._later |= {slot[1] for slot, *_ in missing}
@@ -352,17 +345,27 @@ class Engine:
             self.background.start()
         return len(todo) + len(rest)
 
-    def _load(self, slot: tuple, args: tuple) -> str | None:
-        """Program `slot` from `self.programs` into the steps' table if it is stored there; its key (None
-        without a store)."""
-        key = self._program_key(slot, args) if self.programs is not None else None
-        t = time.perf_counter()
-        compiled = self.programs.load(key) if key is not None else None
-        if compiled is not None:
+    def _unstored(self, todo) -> list[tuple]:
+        """Of `todo`'s (slot, jitted, static, args), load those `self.programs` holds into the steps' table;
+        the others as (slot, key, jitted, static, args), key None without a store."""
+        missing = []
+        for slot, jitted, static, args in todo:
+            key = self._program_key(slot, args) if self.programs is not None else None
+            t = time.perf_counter()
+            compiled = self.programs.load(key) if key is not None else None
+            if compiled is None:
+                missing.append((slot, key, jitted, static, args))
+                continue
             self._compiled[slot] = compiled
             self.programs_loaded += 1
             self.load_seconds += time.perf_counter() - t
-        return key
+        return missing
+
+    def _keep(self, slot: tuple, key: str | None, compiled: jax.stages.Compiled, fresh: bool) -> None:
+        """A program just built: into the steps' table, and into the store if XLA compiled it here."""
+        if key is not None and fresh:
+            self.programs.save(key, compiled)
+        self._compiled[slot] = compiled
 
     def _build_later(self, todo: list, mesh) -> None:
         """`precompile`'s background thread: each later prefill bucket lowered, compiled and stored in
@@ -379,11 +382,8 @@ class Engine:
                     lowered = _lower(jitted, static, args)
                     if self._stop.is_set():  # stopped while lowering: no compile for the process to wait for
                         break
-                    compiled, fresh = compile_for_store(lowered)
-                    if key is not None and fresh:
-                        self.programs.save(key, compiled)
+                    self._keep(slot, key, *compile_for_store(lowered))  # storing it outside the lock
                     with self._ready:
-                        self._compiled[slot] = compiled
                         self._later.discard(slot[1])
                         self.background_built += 1
                         self._ready.notify_all()
@@ -402,10 +402,12 @@ class Engine:
             while True:
                 ready = [slot[1] for slot in list(self._compiled)
                          if slot[0] == "prefill" and slot[2] == self.spliced_prefill and slot[1] >= want]
-                if want in ready or not self._later:
-                    return want if want in ready or not ready else min(ready)
+                if want in ready:
+                    return want
                 if ready:
                     return min(ready)
+                if not self._later:  # none was precompiled: jit compiles it
+                    return want
                 self._ready.wait()
 
     def pending_buckets(self) -> list[int]:
