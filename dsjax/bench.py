@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import layer_cache
-from dsjax.compile_cache import program_store
+from dsjax.engine.programs import program_store
 from dsjax.config import CSA, HCA, ModelConfig
 from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.scheduler import Request, run

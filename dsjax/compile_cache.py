@@ -14,7 +14,7 @@ What makes it safe to keep:
   The cache is bounded (`MAX_BYTES`, least recently used entries go first); with a bound, jax's LRUCache
   takes a `filelock` lock around every read and write, so no process reads an entry another is still
   writing. Without a bound it takes none.
-* The engine's own programs are kept whole beside it, in `<cache_dir()>/programs` (`program_store()`,
+* The engine's own programs are kept whole beside it, in `<cache_dir()>/programs` (`dsjax.engine.programs.program_store()`,
   `dsjax.engine.programs`), under a key of everything that decides them, so a warm run loads them without
   tracing or lowering them first (which jax's key needs).
 * On GPUs, XLA keeps its per-fusion autotuning results in `<cache_dir()>/jax/xla_gpu_per_fusion_autotune_cache_dir`
@@ -76,21 +76,6 @@ def enable_compile_cache(path: str | None = None, *, max_bytes: int = MAX_BYTES)
         raise OSError(f"cannot use {folder} as the compile cache: {e.strerror or e}") from e
     _apply((folder, 0, -1, max_bytes))
     return folder
-
-
-def program_store() -> "ProgramStore | None":
-    """The store of whole compiled programs that goes with the compile cache in force: `programs` beside
-    its `jax` folder, when `enable_compile_cache` set it (None when the cache is off, or is a folder jax
-    was pointed at otherwise)."""
-    from dsjax.engine.programs import ProgramStore
-
-    folder = jax.config.jax_compilation_cache_dir
-    if not folder or os.path.basename(os.path.normpath(folder)) != "jax":
-        return None
-    try:
-        return ProgramStore(os.path.join(os.path.dirname(os.path.normpath(folder)), "programs"))
-    except OSError:  # cannot be created: programs are then compiled (through jax's cache) every run
-        return None
 
 
 def disable_compile_cache() -> None:

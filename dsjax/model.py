@@ -21,7 +21,7 @@ from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import HyperHead
 from dsjax.layers.norms import RMSNorm
 from dsjax.layers.vision import VisionEncoder
-from dsjax.layers.numerics import einsum
+from dsjax.numerics import einsum
 from dsjax.stacked import READ_IN_PLACE, StackedSlice
 
 _MAX_PERIOD = 4
@@ -229,6 +229,12 @@ class DeepseekV4(nnx.Module):
             valid_bs = jnp.arange(input_ids.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
             logits = jnp.where(valid_bs[..., None], logits, 0.0)
         return (logits, per_layer) if record else logits
+
+
+def abstract_state(cfg: ModelConfig, dtype=jnp.bfloat16) -> tuple[nnx.GraphDef, list]:
+    """(graphdef, flat state of ShapeDtypeStructs) of a `cfg` model, nothing allocated."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    return graphdef, list(nnx.to_flat_state(state))
 
 
 @functools.partial(jax.jit, static_argnums=0)

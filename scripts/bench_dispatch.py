@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
     from dsjax.config import ModelConfig
     from dsjax.layers.experts import RoutedExperts
-    from dsjax.parallel.expert import routed_experts_parallel
+    from dsjax.layers.expert_parallel import routed_experts_parallel
     from dsjax.parallel.mesh import make_mesh
     from dsjax.parallel.rules import param_sharding
 

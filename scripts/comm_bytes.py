@@ -39,7 +39,7 @@ def gathered_hlo(cfg, ep: int, tokens_per_device: int, dtype) -> str:
     from flax import nnx
 
     from dsjax.layers.experts import RoutedExperts
-    from dsjax.parallel.expert import routed_experts_parallel
+    from dsjax.layers.expert_parallel import routed_experts_parallel
     from dsjax.parallel.mesh import make_mesh
     from dsjax.parallel.shard import abstract_on_mesh
 

@@ -34,7 +34,7 @@ from dsjax.batch.images import ImageResolver, count_images
 from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
 from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
 from dsjax.batch.results import InputFingerprint, ResultsFile, check_output, error_record, success_record
-from dsjax.compile_cache import program_store
+from dsjax.engine.programs import program_store
 from dsjax.config import ModelConfig
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.generate import request_seed

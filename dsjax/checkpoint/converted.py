@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from orbax.checkpoint import v1 as ocp
 
-from dsjax.checkpoint.load import abstract_model
+from dsjax.checkpoint.targets import abstract_model
 from dsjax.checkpoint.names import TRANSPOSED_LEAVES
 from dsjax.checkpoint.safetensors_io import CheckpointError, read_json
 from dsjax.config import ModelConfig

@@ -10,57 +10,15 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dsjax.checkpoint import names
+from dsjax.checkpoint import converted, names
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
+from dsjax.checkpoint.targets import Target, abstract_model
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 from dsjax.quant import dequantize_fp4, dequantize_fp8, float_to_ue8m0, ue8m0_to_float
 
-_QUANTIZED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))  # FP8 weights, packed FP4 experts
-
-
-@dataclass
-class Target:
-    """Where the checkpoint tensor `hf` goes in the dsjax state."""
-
-    hf: str
-    path: tuple
-    repeat: int | None  # index into the stacked layer axis, None for unstacked variables
-    shape: tuple[int, ...]  # one layer's slice of the dsjax variable
-    hf_shape: tuple[int, ...]  # the same in the checkpoint's orientation
-    transposed: bool
-    dtype: np.dtype
-
-    @property
-    def quantized(self) -> bool:
-        return self.dtype in _QUANTIZED
-
-
 def _np_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
-
-
-def targets_of(model_abs: DeepseekV4, flat: list) -> dict[str, Target]:
-    """HF name → where its value goes in the dsjax state."""
-    out = {}
-    for path, var in flat:
-        sds = var.get_value()
-        shape = tuple(sds.shape)
-        for hf, repeat in names.hf_names_for(model_abs.groups_meta, path):
-            per_layer = shape if repeat is None else shape[1:]
-            # dsjax holds float experts [E, in, out]; quantized ones keep the checkpoint's [E, out, in].
-            transposed = hf.endswith(names.TRANSPOSED_LEAVES) and np.dtype(sds.dtype) not in _QUANTIZED
-            hf_shape = (per_layer[0], per_layer[2], per_layer[1]) if transposed else per_layer
-            out[hf] = Target(hf, path, repeat, per_layer, hf_shape, transposed, np.dtype(sds.dtype))
-    return out
-
-
-def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16):
-    """(graphdef, flat state of ShapeDtypeStructs, HF name → Target) of a `cfg` model, nothing allocated."""
-    model_abs = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, state = nnx.split(model_abs)
-    flat = list(nnx.to_flat_state(state))
-    return graphdef, flat, targets_of(model_abs, flat)
 
 
 def pair_scales(tensors: dict):
@@ -109,8 +67,6 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
                               else f"{folder} has no config.json")
     if dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dtype must be jnp.float32 or jnp.bfloat16, got {dtype}")
-    from dsjax.checkpoint import converted  # imports this module
-
     if isinstance(mesh, str):
         from dsjax.parallel.mesh import make_mesh
 

@@ -207,3 +207,16 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def program_store() -> ProgramStore | None:
+    """The store of whole compiled programs that goes with the compile cache in force: `programs` beside
+    its `jax` folder, when `enable_compile_cache` set it (None when the cache is off, or is a folder jax
+    was pointed at otherwise)."""
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder or os.path.basename(os.path.normpath(folder)) != "jax":
+        return None
+    try:
+        return ProgramStore(os.path.join(os.path.dirname(os.path.normpath(folder)), "programs"))
+    except OSError:  # cannot be created: programs are then compiled (through jax's cache) every run
+        return None

@@ -19,7 +19,7 @@ from dsjax.layers.compressor import CSACompressor, HCACompressor
 from dsjax.layers.linear import GroupedLinear, Linear
 from dsjax.layers.norms import RMSNorm, unweighted_rms_norm
 from dsjax.layers.rope import apply_rope, rope_table
-from dsjax.layers.numerics import einsum
+from dsjax.numerics import einsum
 
 
 def window_visible(q_pos_bs: jax.Array, k_pos_bk: jax.Array, window: int) -> jax.Array:

@@ -10,7 +10,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig, QuantConfig
 from dsjax.layers.linear import Linear
-from dsjax.layers.numerics import precision
+from dsjax.numerics import precision
 from dsjax.layers.variables import Buffer
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import dequantized

@@ -12,7 +12,7 @@ from dsjax.kernels.indexer.op import index_scores
 from dsjax.layers.compressor import Compressor, entry_visible
 from dsjax.layers.linear import Linear
 from dsjax.layers.rope import apply_rope, rope_table
-from dsjax.layers.numerics import einsum
+from dsjax.numerics import einsum
 
 
 class IndexerScorer(nnx.Module):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.config import QuantConfig
-from dsjax.layers.numerics import einsum
+from dsjax.numerics import einsum
 from dsjax.layers.variables import Buffer
 from dsjax.quant import dequantize_fp8, quantize_fp8
 

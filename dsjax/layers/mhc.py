@@ -9,7 +9,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.kernels.sinkhorn.op import sinkhorn
 from dsjax.layers.norms import unweighted_rms_norm
-from dsjax.layers.numerics import einsum
+from dsjax.numerics import einsum
 
 
 def collapse(pre_bsn: jax.Array, h_bsnh: jax.Array) -> jax.Array:

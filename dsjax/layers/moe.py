@@ -9,7 +9,7 @@ from flax import nnx
 from dsjax.config import HASH_MOE, ModelConfig
 from dsjax.layers.experts import RoutedExperts, SharedExpert
 from dsjax.layers.router import HashRouter, TopKRouter
-from dsjax.parallel.expert import expert_axis, routed_experts_parallel
+from dsjax.layers.expert_parallel import expert_axis, routed_experts_parallel
 
 
 class MoE(nnx.Module):

@@ -12,7 +12,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.layers.variables import Buffer
-from dsjax.layers.numerics import einsum
+from dsjax.numerics import einsum
 
 
 def score(logits: jax.Array, scoring_func: str) -> jax.Array:

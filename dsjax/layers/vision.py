@@ -27,7 +27,7 @@ from flax import nnx
 from dsjax.config import ModelConfig, VisionConfig
 from dsjax.layers.linear import Linear
 from dsjax.layers.norms import RMSNorm
-from dsjax.layers.numerics import einsum
+from dsjax.numerics import einsum
 from dsjax.layers.rope import apply_rope
 
 # Pixel values map to [-1, 1].

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dsjax.checkpoint.load import abstract_model
+from dsjax.checkpoint.targets import abstract_model
 from dsjax.config import ModelConfig, QuantConfig
 from dsjax.parallel.mesh import make_mesh
 from dsjax.parallel.rules import logical_axes, param_sharding, spec_of

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsjax.layers.numerics import precision
+from dsjax.numerics import precision
 from dsjax.quant import dequantize_fp4, dequantize_fp8
 
 

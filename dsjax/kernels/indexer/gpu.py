@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsjax.kernels.fp16 import fp16_rows
 from dsjax.kernels.rows import load_piece, row_pieces, storage
-from dsjax.layers.numerics import precision
+from dsjax.numerics import precision
 from dsjax.quant import PackedKV
 
 

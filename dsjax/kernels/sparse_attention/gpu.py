@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsjax.kernels.rows import load_piece, row_pieces, storage
-from dsjax.layers.numerics import precision
+from dsjax.numerics import precision
 
 def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, entry_pieces, mode, num_splits,
             n_window_rows, n_entry_rows, n_picks):

@@ -9,9 +9,9 @@ from jax.sharding import PartitionSpec as P
 
 import dsjax
 from dsjax.config import ModelConfig
-from dsjax.parallel.expert import _Local, ragged_dispatch
+from dsjax.layers.expert_parallel import _Local, ragged_dispatch
 from tests.helpers import assert_close
-from tests.parallel.test_expert import routing
+from tests.layers.test_expert_parallel import routing
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs an accelerator")
 

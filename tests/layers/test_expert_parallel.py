@@ -142,7 +142,7 @@ def routing(cfg, n, seed):
 
 
 def sharded_experts_call(model, spec, design, x, w, idx):
-    from dsjax.parallel.expert import routed_experts_parallel
+    from dsjax.layers.expert_parallel import routed_experts_parallel
 
     mesh = make_mesh(spec)
     graphdef, state = nnx.split(shard_model(model, mesh).layer(1).mlp.experts)
@@ -184,7 +184,7 @@ def test_a_tp_that_splits_weights_but_not_their_scales_is_refused(model):
 def test_the_backend_picks_the_design(spec):
     """Lowered for GPU or TPU, the MoE exchanges tokens by ragged all-to-all when that moves fewer bytes
     (k < ep); for CPU, and when k ≥ ep, by all-gather and reduce-scatter."""
-    from dsjax.parallel.expert import routed_experts_parallel
+    from dsjax.layers.expert_parallel import routed_experts_parallel
 
     model = dsjax.DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)  # k = 2
     mesh = make_mesh(spec)
@@ -238,7 +238,7 @@ def test_the_expert_kernel_runs_inside_the_expert_parallel_shard_map():
     """Inside the shard_map each device's FP4 experts go through the GPU kernel (lowered for cuda: the
     Triton call is there), and, interpreted on the CPU devices, split over ep=4 they give what the
     kernel gives on one device."""
-    from dsjax.parallel.expert import routed_experts_parallel
+    from dsjax.layers.expert_parallel import routed_experts_parallel
 
     cfg = ModelConfig.preset("tiny").replace(hidden_size=256, moe_intermediate_size=128, kernels="interpret")
     quantized = quantize_model(dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(2), dtype=jnp.float32))
