@@ -1,0 +1,83 @@
+"""`RunConfig`: how a model is run, apart from what it is (`ModelConfig`).
+
+One frozen dataclass, validated once when made, used by the batch job, the engine, `plan`, `export` and
+`bench`; the CLI's shared flags fill it (`dsjax.cli`). The choices are the tuples below, which the CLI
+offers as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax.numpy as jnp
+
+from dsjax.parallel.mesh import parse_mesh
+from dsjax.quant import KV_DTYPES
+
+DTYPES = ("bfloat16", "float32")
+# "keep": the checkpoint's (or preset's) storage stays on the device (FP8 blocks, FP4 experts),
+# dequantized layer by layer inside each step; "bf16": dequantized once, at load, into `dtype`.
+WEIGHTS = ("keep", "bf16")
+# "auto": the Pallas kernels on GPUs and TPUs, the pure-JAX references elsewhere; "reference": the
+# references everywhere; "interpret": the GPU kernels in Pallas's interpreter (tests on CPU).
+KERNELS = ("auto", "reference", "interpret")
+_OLD_WEIGHTS = {"fp8": "keep"}  # plan, bench and export's spelling until 0.2
+
+
+class RunConfigError(ValueError):
+    """A run option out of range; the message names the option."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Run options: `slots` sequences in flight, each of up to `max_len` tokens, prompts prefilled
+    `chunk_size` tokens at a time; float weights and activations in `dtype`; the cache's K=V rows in
+    `kv_dtype` (None: `dtype`); `weights` and `kernels` as the tuples above say; `mesh` a spec such as
+    "dp=2,ep=4" (None: one device)."""
+
+    slots: int = 8
+    max_len: int = 4096
+    chunk_size: int = 256
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+    weights: str = "keep"
+    kernels: str = "auto"
+    mesh: str | None = None
+
+    def __post_init__(self):
+        for name, least in (("slots", 1), ("max_len", 2), ("chunk_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise RunConfigError(f"{name} must be an integer of at least {least}, got {value!r}")
+        if self.weights in _OLD_WEIGHTS:
+            warnings.warn(f"weights={self.weights!r} is now spelled {_OLD_WEIGHTS[self.weights]!r} "
+                          f"(one vocabulary for every command); {self.weights!r} goes in 0.2",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "weights", _OLD_WEIGHTS[self.weights])
+        for name, choices in (("dtype", DTYPES), ("weights", WEIGHTS), ("kernels", KERNELS)):
+            if getattr(self, name) not in choices:
+                raise RunConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise RunConfigError(f"kv_dtype must be one of {KV_DTYPES} (or None: dtype), got {self.kv_dtype!r}")
+        if self.mesh is not None:
+            if not isinstance(self.mesh, str):
+                raise RunConfigError(f"mesh must be a spec such as 'dp=2,ep=4', got {self.mesh!r}")
+            try:
+                parse_mesh(self.mesh)
+            except ValueError as e:
+                raise RunConfigError(str(e)) from None
+
+    def replace(self, **changes) -> RunConfig:
+        """A copy with `changes`, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def jnp_dtype(self):
+        """`dtype` as a jnp dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a quantized checkpoint or preset keeps its storage (`weights` "keep")."""
+        return self.weights == "keep"
