@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from dsjax.bench import measure_rates
     from dsjax.config import ModelConfig, QuantConfig
-    from dsjax.kernels.expert_matmul.gpu import expert_matmul_gpu
+    from dsjax.kernels.expert_matmul.triton import expert_matmul_gpu
     from dsjax.layers.experts import RoutedExperts, dense_experts, grouped_mlp, matmul_experts
 
     base = ModelConfig.preset(args.preset)

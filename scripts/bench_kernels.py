@@ -126,9 +126,9 @@ def model_tiling(cfg: ModelConfig, entries, one_set, **overrides) -> dict:
 def bench_attention(args, cfg, bandwidth):
     """Decode attention as the model runs it (`--path op`) or the Triton kernel alone (`--path triton`),
     against the XLA reference, host-timed."""
-    from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
     from dsjax.kernels.sparse_attention.op import sparse_decode
     from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+    from dsjax.kernels.sparse_attention.triton import sparse_decode_gpu
 
     rows = []
     scale = cfg.head_dim ** -0.5
@@ -168,7 +168,7 @@ def bench_attention(args, cfg, bandwidth):
 
 
 def bench_tune(args, cfg, bandwidth):
-    from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
+    from dsjax.kernels.sparse_attention.triton import sparse_decode_gpu
 
     rows = []
     scale = cfg.head_dim ** -0.5
@@ -223,8 +223,8 @@ def indexer_case(cfg: ModelConfig, batch: int, context: int, kv_dtype: str):
 
 
 def bench_indexer(args, cfg, bandwidth):
-    from dsjax.kernels.indexer.gpu import index_scores_gpu
     from dsjax.kernels.indexer.reference import index_scores_reference
+    from dsjax.kernels.indexer.triton import index_scores_gpu
 
     rows = []
     scale = cfg.index_head_dim ** -0.5
@@ -259,7 +259,7 @@ def bench_export(args, cfg, bandwidth):
     from flax import nnx
 
     from dsjax.engine.sampling import SamplingArrays, SamplingParams
-    from dsjax.engine.steps import Engine
+    from dsjax.engine.engine import Engine
     from dsjax.export import load_steps
     from dsjax.model import DeepseekV4
 
@@ -269,7 +269,8 @@ def bench_export(args, cfg, bandwidth):
         raise SystemExit(f"{args.artifact}: exported for {m['weights']} weights; this check builds random "
                          "float weights (export with --weights bf16)")
     model = DeepseekV4(steps.config(), rngs=nnx.Rngs(0), dtype=jnp.dtype(m["dtype"]))
-    engine = Engine(model, m["slots"], m["max_len"], m["chunk_size"], jnp.dtype(m["cache_dtype"]), m["kv_dtype"])
+    engine = Engine(model, RunConfig(slots=m["slots"], max_len=m["max_len"], chunk_size=m["chunk_size"],
+                                     kv_dtype=m["kv_dtype"]))
     n = m["prefill_rows"]
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, model.cfg.vocab_size, int(rng.integers(1, m["chunk_size"] + 1))))
@@ -311,10 +312,10 @@ def run_variants(args, cfg, bandwidth):
     for a profiler to time: `ncu --metrics gpu__time_duration.sum --csv … variants …`, then `ncu`.
     Attention variants start from the model's tiling (`gpu_tiling`) for their size; `"kernel": "mosaic"`
     runs the Mosaic GPU kernel instead (bf16 cache), with the op's `num_splits` unless given."""
-    from dsjax.kernels.indexer.gpu import index_scores_gpu
-    from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu
-    from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic
+    from dsjax.kernels.indexer.triton import index_scores_gpu
+    from dsjax.kernels.sparse_attention.mosaic_gpu import sparse_decode_mosaic
     from dsjax.kernels.sparse_attention.op import keys_per_query, mosaic_splits
+    from dsjax.kernels.sparse_attention.triton import sparse_decode_gpu
 
     for text in args.variant:
         spec = json.loads(text)

@@ -10,16 +10,24 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dsjax.parallel.rules import slot_axes
+
+
+class CannotTile(ValueError):
+    """This kernel cannot tile these shapes: raised by a kernel for shapes, storage or tiling it does
+    not take, or a GPU without the instructions it needs. `dispatch` then takes the next kernel or the
+    reference; any other error propagates. A ValueError, for callers of a kernel itself."""
+
 
 def _tiles(kernel: Callable[[], jax.Array] | None) -> Callable[[], jax.Array] | None:
-    """`kernel` if it can be traced for these shapes (kernels raise ValueError on shapes they cannot
-    tile), else None. `platform_dependent` traces every branch on every platform, so an untileable
-    kernel must be left out, not merely never lowered."""
+    """`kernel` if it can be traced for these shapes, else (it raised CannotTile) None.
+    `platform_dependent` traces every branch on every platform, so an untileable kernel must be left
+    out, not merely never lowered."""
     if kernel is None:
         return None
     try:
         jax.eval_shape(kernel)
-    except ValueError:
+    except CannotTile:
         return None
     return kernel
 
@@ -33,11 +41,12 @@ def dispatch(reference: Callable[[], jax.Array], *, kernels: str,
              tpu: Callable[[], jax.Array] | None = None) -> jax.Array:
     """Run one operation. `kernels` is `ModelConfig.kernels`; `gpu(interpret)` and `tpu()` build the
     kernels' results (`gpu` may list several GPU kernels, most specialised first: the first that
-    tiles the shapes runs). "auto" lowers the CUDA kernel for cuda, the TPU kernel for tpu and the reference
-    for every other backend (CPU, ROCm, other plugins), and the reference wherever a kernel cannot
-    tile the shapes; "reference" always uses the reference; "interpret" runs the GPU kernel interpreted on
-    any backend. Under a mesh of several devices a kernel runs only inside a shard_map over all of its
-    axes (`over_slots` makes one), the reference outside."""
+    tiles the shapes runs; a kernel raises CannotTile where it does not). "auto" lowers the CUDA kernel
+    for cuda, the TPU kernel for tpu and the reference for every other backend (CPU, ROCm, other
+    plugins), and the reference wherever a kernel cannot tile the shapes; "reference" always uses the
+    reference; "interpret" runs the GPU kernel interpreted on any backend. Under a mesh of several
+    devices a kernel runs only inside a shard_map over all of its axes (`over_slots` makes one), the
+    reference outside."""
     mesh = jax.sharding.get_abstract_mesh()
     # Inside a shard_map over every axis (the expert-parallel MoE) each device runs its own program, so a
     # kernel call is per device. Elsewhere under a mesh of several devices XLA partitions the reference;
@@ -61,8 +70,6 @@ def over_slots(op: Callable[..., jax.Array], slots: dict, shared: dict | None = 
     slots, so that `dispatch` inside may take a kernel: Pallas calls are not partitioned automatically.
     Elsewhere, or when no slot axis divides the slots, `op` runs as it is. Non-array leaves (None, Python
     numbers) pass through as they are; arrays of `shared` reach every device whole."""
-    from dsjax.parallel.rules import slot_axes
-
     shared = shared or {}
     mesh = jax.sharding.get_abstract_mesh()
     leaves, tree = jax.tree.flatten((slots, shared), is_leaf=lambda x: x is None)

@@ -1,12 +1,57 @@
-"""`over_slots`: under a mesh each device runs the op on its own cache slots; elsewhere the op runs as is."""
+"""`dispatch`: which kernel runs, and what a kernel that cannot tile the shapes leaves to the next one;
+`over_slots`: under a mesh each device runs the op on its own cache slots; elsewhere the op runs as is."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.kernels.dispatch import over_slots
+from dsjax.kernels.dispatch import CannotTile, dispatch, over_slots
 from dsjax.parallel.mesh import make_mesh
+
+
+def _reference():
+    return jnp.zeros(2)
+
+
+def _tiles(interpret=False):
+    return jnp.ones(2)
+
+
+def _cannot_tile(interpret=False):
+    raise CannotTile("these shapes do not tile")
+
+
+def _bad_argument(interpret=False):
+    raise ValueError("a bad argument")
+
+
+def test_the_first_gpu_kernel_that_tiles_runs():
+    assert float(dispatch(_reference, kernels="interpret", gpu=(_cannot_tile, _tiles)).sum()) == 2.0
+    # auto: lowered for cuda (a branch); the kernel runs on a GPU, the reference on any other backend.
+    program = jax.make_jaxpr(lambda: dispatch(_reference, kernels="auto", gpu=(_cannot_tile, _tiles)))()
+    assert "platform_index" in str(program)
+    want = 2.0 if jax.default_backend() == "gpu" else 0.0
+    assert float(dispatch(_reference, kernels="auto", gpu=(_cannot_tile, _tiles)).sum()) == want
+
+
+@pytest.mark.parametrize("kernels", ["interpret", "auto"])
+def test_a_kernel_that_cannot_tile_leaves_the_reference(kernels):
+    got = dispatch(_reference, kernels=kernels, gpu=_cannot_tile, tpu=_cannot_tile)
+    assert float(got.sum()) == 0.0
+    # Left out, not merely not lowered: a dispatch with no kernel left is the reference alone.
+    assert "platform_index" not in str(jax.make_jaxpr(
+        lambda: dispatch(_reference, kernels=kernels, gpu=_cannot_tile, tpu=_cannot_tile))())
+
+
+@pytest.mark.parametrize("kernels,where", [("interpret", "gpu"), ("auto", "gpu"), ("auto", "tpu")])
+def test_any_other_error_of_a_kernel_propagates(kernels, where):
+    with pytest.raises(ValueError, match="a bad argument"):
+        dispatch(_reference, kernels=kernels, **{where: _bad_argument})
+
+
+def test_kernels_reference_traces_no_kernel():
+    assert float(dispatch(_reference, kernels="reference", gpu=_bad_argument, tpu=_bad_argument).sum()) == 0.0
 
 
 def _run(slots: int, mesh_spec: str | None):

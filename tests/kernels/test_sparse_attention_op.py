@@ -7,12 +7,11 @@ import jax.numpy as jnp
 import pytest
 
 from dsjax.export import abstract_device, disabled_checks
-from dsjax.kernels.dispatch import dispatch
 from dsjax.kernels.sparse_attention.op import mosaic_splits, sparse_decode
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
 from dsjax.quant import pack_kv
 from tests.helpers import mesh_cuda_module
-from tests.kernels.test_mosaic_attention import inputs
+from tests.kernels.test_sparse_attention_mosaic_gpu import inputs
 
 
 def cuda_module(args, kw) -> str:
@@ -45,14 +44,6 @@ def test_interpreted_op_runs_the_mosaic_kernel():
     got = sparse_decode(*args, **kw, kernels="interpret")
     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))) / jnp.max(jnp.abs(want)))
     assert err < 1e-2, err  # both rounded to bf16
-
-
-def test_dispatch_takes_the_first_gpu_kernel_that_tiles():
-    def refuses(interpret):
-        raise ValueError("cannot tile")
-    got = dispatch(lambda: jnp.zeros(2), kernels="interpret", gpu=(refuses, lambda interpret: jnp.ones(2)))
-    assert float(got.sum()) == 2.0
-    assert float(dispatch(lambda: jnp.zeros(2), kernels="interpret", gpu=(refuses,)).sum()) == 0.0
 
 
 def test_mosaic_splits_cover_the_chip():

@@ -1,5 +1,5 @@
 """The grouped matmul over low-precision experts as the MoE calls it: a GPU kernel where one applies
-(FP4 experts from `mosaic.MIN_ROWS` rows on: the Mosaic GPU kernel; else the Triton one), else the
+(FP4 experts from `mosaic_gpu.MIN_ROWS` rows on: the Mosaic GPU kernel; else the Triton one), else the
 reference (`dispatch.py`)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import jax
 
 from dsjax.kernels.dispatch import dispatch
-from dsjax.kernels.expert_matmul import mosaic
-from dsjax.kernels.expert_matmul.gpu import expert_matmul_gpu
+from dsjax.kernels.expert_matmul import mosaic_gpu
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
+from dsjax.kernels.expert_matmul.triton import expert_matmul_gpu
 from dsjax.stacked import StackedSlice, as_array
 
 # Rows per expert above which dequantizing the experts once (reference) beats the kernel, which reads
@@ -32,9 +32,9 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
             stacks = dict(w_enk=w_enk.stack, scale=scale.stack, layer=w_enk.index)
         else:
             stacks = dict(w_enk=as_array(w_enk), scale=as_array(scale))
-        if storage == "fp4" and x_pk.shape[0] >= mosaic.MIN_ROWS:
-            gpu.append(lambda interpret: mosaic.expert_matmul_mosaic(x_pk, group_sizes_e=group_sizes_e,
-                                                                     interpret=interpret, **stacks))
+        if storage == "fp4" and x_pk.shape[0] >= mosaic_gpu.MIN_ROWS:
+            gpu.append(lambda interpret: mosaic_gpu.expert_matmul_mosaic(x_pk, group_sizes_e=group_sizes_e,
+                                                                         interpret=interpret, **stacks))
         gpu.append(lambda interpret: expert_matmul_gpu(x_pk, group_sizes_e=group_sizes_e, storage=storage,
                                                        interpret=interpret, **stacks))
     return dispatch(reference, kernels=kernels, gpu=gpu)

@@ -8,9 +8,9 @@ import functools
 import jax
 
 from dsjax.kernels.dispatch import dispatch, over_slots
-from dsjax.kernels.indexer.gpu import index_scores_gpu
+from dsjax.kernels.indexer.mosaic_tpu import index_scores_tpu
 from dsjax.kernels.indexer.reference import index_scores_reference
-from dsjax.kernels.indexer.tpu import index_scores_tpu
+from dsjax.kernels.indexer.triton import index_scores_gpu
 
 
 def index_scores(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,

@@ -9,8 +9,8 @@ import functools
 import jax
 
 from dsjax.kernels.dispatch import dispatch, over_slots
-from dsjax.kernels.sinkhorn.gpu import sinkhorn_gpu
 from dsjax.kernels.sinkhorn.reference import sinkhorn_reference
+from dsjax.kernels.sinkhorn.triton import sinkhorn_gpu
 
 
 def sinkhorn(comb: jax.Array, iters: int, eps: float, *, kernels: str = "auto") -> jax.Array:

@@ -7,14 +7,15 @@ import functools
 
 import jax
 
+from dsjax.kernels.devices import TUNED_GPU, device_facts
 from dsjax.kernels.dispatch import dispatch, over_slots
-from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu, sparse_prefill_gpu
-from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic, sparse_decode_mosaic_packed
+from dsjax.kernels.sparse_attention.mosaic_gpu import sparse_decode_mosaic, sparse_decode_mosaic_packed
+from dsjax.kernels.sparse_attention.mosaic_tpu import sparse_decode_tpu, sparse_prefill_tpu
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
-from dsjax.kernels.sparse_attention.tpu import sparse_decode_tpu, sparse_prefill_tpu
+from dsjax.kernels.sparse_attention.triton import sparse_decode_gpu, sparse_prefill_gpu
 
-# Hopper (H100/H200) multiprocessors; used only to decide when to split keys between programs.
-_GPU_CORES = 132
+# Used only to decide when to split keys between programs: the tilings were measured on this GPU.
+_GPU_CORES = device_facts(TUNED_GPU).cores
 
 
 def gpu_tiling(b: int, h: int, n_keys: int, *, block_h: int = 32, block_k: int = 64, num_warps: int = 8,

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.kernels.indexer.gpu import index_scores_gpu
+from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.indexer.reference import index_scores_reference
+from dsjax.kernels.indexer.triton import index_scores_gpu
 from dsjax.quant import pack_kv
 from tests.helpers import assert_close
 
@@ -41,7 +42,7 @@ def test_kernel_matches_reference(seed, kv_dtype, shape, tiling):
 
 def test_fp4_keys_are_refused():
     q, w, keys, n, scale = inputs(4)
-    with pytest.raises(ValueError, match="fp8 or float, got fp4"):
+    with pytest.raises(CannotTile, match="fp8 or float, got fp4"):
         index_scores_gpu(q, w, pack_kv(jnp.zeros((3, 300, 64)), "fp4", 0), n, scale, interpret=True)
 
 

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from dsjax.export import abstract_device, disabled_checks
-from dsjax.kernels.expert_matmul import mosaic
-from dsjax.kernels.expert_matmul.mosaic import expert_matmul_mosaic, input_order, renumbered
+from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.expert_matmul import mosaic_gpu
+from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic, input_order, renumbered
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
 from dsjax.stacked import StackedSlice
-from tests.kernels.test_expert_matmul import experts, spread_fp4_scales
+from tests.kernels.test_expert_matmul_triton import experts, spread_fp4_scales
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -78,7 +79,7 @@ def test_kernel_reads_one_layer_of_stacked_experts_in_place():
     cut out; and the op, given `StackedSlice`s and `MIN_ROWS` rows, runs this kernel."""
     layers = [experts("fp4", 3, 64, 1024, seed=s) for s in range(2)]
     q, s = jnp.stack([w for w, _ in layers]), jnp.stack([sc for _, sc in layers])
-    rows = mosaic.MIN_ROWS
+    rows = mosaic_gpu.MIN_ROWS
     sizes = jnp.asarray([50, 0, rows - 60], jnp.int32)  # ten rows routed to no expert
     x = jnp.asarray(np.random.default_rng(4).standard_normal((rows, 1024)), jnp.bfloat16)
     for layer in range(2):
@@ -110,30 +111,33 @@ def lowered_op(storage: str, rows: int, stacked: bool = False) -> str:
 def test_op_takes_this_kernel_for_fp4_from_min_rows_on():
     """Below `MIN_ROWS` rows, and for FP8, the Triton kernel; from it on, for FP4, this one, given the
     whole stack (no op cuts the layer out)."""
-    assert "dsjax_expert_matmul_mosaic" not in lowered_op("fp4", mosaic.MIN_ROWS - 1)
-    assert "dsjax_expert_matmul" in lowered_op("fp4", mosaic.MIN_ROWS - 1)
-    assert "dsjax_expert_matmul_mosaic" not in lowered_op("fp8", mosaic.MIN_ROWS)
-    text = lowered_op("fp4", mosaic.MIN_ROWS, stacked=True)
+    assert "dsjax_expert_matmul_mosaic" not in lowered_op("fp4", mosaic_gpu.MIN_ROWS - 1)
+    assert "dsjax_expert_matmul" in lowered_op("fp4", mosaic_gpu.MIN_ROWS - 1)
+    assert "dsjax_expert_matmul_mosaic" not in lowered_op("fp8", mosaic_gpu.MIN_ROWS)
+    text = lowered_op("fp4", mosaic_gpu.MIN_ROWS, stacked=True)
     assert "dsjax_expert_matmul_mosaic" in text
     for layer in ("4x128x512xi8", "4x128x128xi32"):  # one layer's codes, as stored or as the kernel's words
         assert f"tensor<{layer}>" not in text and f"tensor<1x{layer}>" not in text
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda x, q, s: (x.astype(jnp.float32), q, s), "activations must be bf16"),
-    (lambda x, q, s: (x, q, s.astype(jnp.float32)), "ue8m0"),
-    (lambda x, q, s: (x[:, :512], q[:, :, :256], s[:, :, :16]), "do not tile"),
-    (lambda x, q, s: (x, q[:, :96], s[:, :96]), "do not tile"),
-    (lambda x, q, s: (x, q, s, 0), "stacked experts needs"),
-    (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], 0), "stacked experts needs"),
-    (lambda x, q, s: (x, q[None, :1], s[None, :1], 0), "2 group sizes for 1 experts"),
+@pytest.mark.parametrize("change,message,untileable", [
+    (lambda x, q, s: (x.astype(jnp.float32), q, s), "activations must be bf16", True),
+    (lambda x, q, s: (x, q, s.astype(jnp.float32)), "ue8m0", True),
+    (lambda x, q, s: (x[:, :512], q[:, :, :256], s[:, :, :16]), "do not tile", True),
+    (lambda x, q, s: (x, q[:, :96], s[:, :96]), "do not tile", True),
+    (lambda x, q, s: (x, q, s, 0), "stacked experts needs", False),
+    (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], 0), "stacked experts needs", False),
+    (lambda x, q, s: (x, q[None, :1], s[None, :1], 0), "2 group sizes for 1 experts", False),
 ])
-def test_refuses_what_it_does_not_take_with_a_clear_error(change, message):
+def test_refuses_what_it_does_not_take_with_a_clear_error(change, message, untileable):
+    """What it cannot tile raises CannotTile (the op then takes the Triton kernel); bad arguments a
+    plain ValueError."""
     q, s = experts("fp4", 2, 128, 1024)
     x = jnp.ones((8, 1024), jnp.bfloat16)
     x, q, s, *layer = change(x, q, s)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         expert_matmul_mosaic(x, q, s, jnp.asarray([4, 4], jnp.int32), *layer, interpret=True)
+    assert isinstance(err.value, CannotTile) == untileable
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

@@ -1,22 +1,22 @@
 """The grouped matmul over FP4 experts as a Mosaic GPU (Hopper wgmma) kernel, where the decoded codes
 are wgmma's register operand A: for 128 rows or more (decode at 32 sequences and up) it replaces the
-Triton kernel (`gpu.py`), which it beats by 1.18× at 32 tokens and 1.27× at 128 on V4-Flash's gate_up
+Triton kernel (`triton.py`), which it beats by 1.18× at 32 tokens and 1.27× at 128 on V4-Flash's gate_up
 (docs/benchmarks.md, 2026-11-30, eighth session). Same arguments, same arithmetic, same result.
 
-Each program holds one tile of `BLOCK_M` rows of one expert (`gpu.group_tiles`) and `FEATURES` output
+Each program holds one tile of `BLOCK_M` rows of one expert (`triton.group_tiles`) and `FEATURES` output
 features, computes `outᵀ[features, rows] = W · xᵀ` (wgmma's M is 64: the features, its N the rows)
 and walks the inputs `8 · WORDS` at a time:
 
 - the codes stream in as int32 words of eight through a TMA pipeline and are loaded in wgmma's 32-bit
   register layout: a thread holds words 2t and 2t+1 of every eight, of rows r and r+8. Codes p and
   p+4 of a word, moved into the two halves as fp16 `e2m1 · 2^-14` (three 32-bit operations, as in
-  `gpu.py`), then already form a register of the 16-bit A fragment, with no data movement, provided
+  `triton.py`), then already form a register of the 16-bit A fragment, with no data movement, provided
   the inputs are renumbered: fp16 column `16b + 8s + 2t + h` of pair p holds code `p + 4h` of word
   `8b + 2t + s` (`input_order`). The activations are renumbered to match outside the kernel;
 - each code is multiplied in fp16 by `2^(s − s_max + 15)`, its 32-input group's ue8m0 scale relative
   to the largest of its row (all of K), exact while that is at least 2^-24 of the largest; the sums
   are scaled by `2^(s_max − 128)` once at the end;
-- the activations are fp16 exactly (`kernels.fp16.fp16_rows`), so, as in `gpu.py`, every product is
+- the activations are fp16 exactly (`kernels.gpu_fp16.fp16_rows`), so, as in `triton.py`, every product is
   exact and only the fp32 summation order differs from the reference.
 
 The register reinterpretation is inline Mosaic GPU code, which Mosaic GPU's interpreter cannot run,
@@ -39,8 +39,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import vector
 
-from dsjax.kernels.expert_matmul.gpu import fold_layer, group_tiles
-from dsjax.kernels.fp16 import fp16_rows, pow2
+from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.expert_matmul.triton import fold_layer, group_tiles
+from dsjax.kernels.gpu_fp16 import fp16_rows, pow2
 from dsjax.quant import FP4_GROUP
 
 WORDS = 32      # int32 code words per row per step (256 inputs): measured best against 64
@@ -180,17 +181,17 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
                          layer: jax.Array | None = None, *, interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, "fp4")` as a Mosaic GPU
     kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`) and
-    the kernel reads entry `layer` where it lies. Raises ValueError for what it does not take:
+    the kernel reads entry `layer` where it lies. Raises CannotTile for what it does not take:
     non-bf16 activations, float scales, widths that do not tile (K a multiple of 1024, N of 64)."""
     p, k = x_pk.shape
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_mosaic")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:
-        raise ValueError(f"expert_matmul_mosaic: activations must be bf16, got {x_pk.dtype}")
+        raise CannotTile(f"expert_matmul_mosaic: activations must be bf16, got {x_pk.dtype}")
     if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
-        raise ValueError(f"expert_matmul_mosaic: FP4 experts need ue8m0 (power-of-two) scales, got {scale.dtype}")
+        raise CannotTile(f"expert_matmul_mosaic: FP4 experts need ue8m0 (power-of-two) scales, got {scale.dtype}")
     if k % (8 * FP4_GROUP * 4) or n % FEATURES or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
-        raise ValueError(f"expert_matmul_mosaic: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
+        raise CannotTile(f"expert_matmul_mosaic: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
                          f"inputs do not tile (inputs by 1024, outputs by {FEATURES})")
     # Free views: eight codes per int32 word, four groups' scales per int32 word (little-endian).
     words = lax.bitcast_convert_type(w_enk.reshape(e, n, k // 8, 4), jnp.int32)

@@ -1,6 +1,6 @@
 """Sparse decode attention as a Mosaic GPU (Hopper, wgmma) kernel, for 64 bf16 query heads of width
 512 over bf16 window rows and CSA picks: the shape of V4's attention layers, where it replaces the
-Triton kernel (`gpu.py`; `op.sparse_decode` takes this one wherever it applies). On the H200 it
+Triton kernel (`triton.py`; `op.sparse_decode` takes this one wherever it applies). On the H200 it
 attends a batch of 64 at 128K context in 24.5 µs where the Triton kernel takes 50.8 µs
 (docs/benchmarks.md, 2026-11-30, third session).
 
@@ -19,7 +19,7 @@ Grid (slot, split); three warpgroups per program:
 Numerics: scores, softmax and sums in fp32 (exp2 on scores pre-scaled by log2 e); probabilities are
 rounded to bf16 for P·V (wgmma takes both operands in one type), so outputs carry about 1e-3
 relative error against the fp32 reference. Each split returns its normalised output in fp16 and its
-running max and mass (natural-log units, the sink's mass in split 0), merged by `gpu.merge_splits`.
+running max and mass (natural-log units, the sink's mass in split 0), merged by `triton.merge_splits`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import arith, memref
 from jax._src.lib.mlir.dialects import llvm, nvvm  # not in jax.extend; Mosaic GPU's own kernels use them
 
-from dsjax.kernels.sparse_attention.gpu import merge_splits
+from dsjax.kernels.devices import TUNED_GPU, device_facts
+from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.sparse_attention.reference import gather_rows
+from dsjax.kernels.sparse_attention.triton import merge_splits
 from dsjax.quant import PackedKV, unpack_kv
 
 HEADS, WIDTH = 64, 512
@@ -48,7 +50,7 @@ _LOG2E = math.log2(math.e)
 # columns of a 256-column half, so the untiled loads and the swizzled stores are 16-byte vectors.
 _ROWS_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((8, 256), (2, 256), (8,))), warp_dims=(-5,), lane_dims=(-2,),
                                   vector_dim=-1)
-_SMEM_BYTES = 227 * 1024
+_SMEM_BYTES = device_facts(TUNED_GPU).smem_bytes  # a Hopper's, as every GPU this kernel runs on
 # Rows per block: at 32 the query, four tiled blocks and the score halves fill 208 KB of the 227 KB of
 # shared memory (two staged and two tiled blocks with the bulk gather: 210 KB); at 64 even two tiled
 # blocks leave no room for the larger score halves.
@@ -276,17 +278,17 @@ def _cp_async_landed(newer: int) -> None:
 def _table(rows, name: str) -> jax.Array:
     """The rows `[B, N, 512]` as one bf16 table `[B·N, 512]`; other storages are the Triton kernel's."""
     if not isinstance(rows, jax.Array) or rows.dtype != jnp.bfloat16 or rows.ndim != 3 or rows.shape[2] != WIDTH:
-        raise ValueError(f"sparse attention (Mosaic GPU): {name} must be a bf16 array [B, N, {WIDTH}], got "
+        raise CannotTile(f"sparse attention (Mosaic GPU): {name} must be a bf16 array [B, N, {WIDTH}], got "
                          f"{type(rows).__name__} {getattr(rows, 'dtype', '')} {getattr(rows, 'shape', '')}")
     return rows.reshape(-1, WIDTH)
 
 
 def _on_hopper():
-    """Raise where the local GPU is not a Hopper (sm90): wgmma exists only there (Blackwell has
+    """Raise CannotTile where the local GPU is not a Hopper (sm90): wgmma exists only there (Blackwell has
     tcgen05 instead). Lowering without a GPU (`jax.export` on a CPU machine) targets Hopper."""
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if gpus and not str(getattr(gpus[0], "compute_capability", "9.0")).startswith("9."):
-        raise ValueError(f"sparse attention (Mosaic GPU): needs a Hopper GPU (sm90), got {gpus[0].device_kind}")
+        raise CannotTile(f"sparse attention (Mosaic GPU): needs a Hopper GPU (sm90), got {gpus[0].device_kind}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "out_dtype", "gather", "interpret"))
@@ -297,15 +299,15 @@ def sparse_decode_mosaic(q_bhd: jax.Array, window, window_len_b: jax.Array, entr
     """`reference.sparse_decode_reference` as a Mosaic GPU kernel, for what it covers: 64 bf16 query
     heads of width 512, bf16 window and entry rows, CSA picks (-1: no row) or no entries. Entry
     prefixes (HCA) are the Triton kernel's: this kernel reads a fixed number of rows per slot, and a
-    prefix is as long as the cache. Raises ValueError on anything else (`dispatch` then takes the
+    prefix is as long as the cache. Raises CannotTile on anything else (`dispatch` then takes the
     Triton kernel). `num_splits` programs per slot share its rows; `interpret` runs Mosaic GPU's
     interpreter (CPU)."""
     b, h, d = q_bhd.shape
     if (h, d) != (HEADS, WIDTH) or q_bhd.dtype != jnp.bfloat16:
-        raise ValueError(f"sparse attention (Mosaic GPU): needs {HEADS} bf16 query heads of width {WIDTH}, got "
+        raise CannotTile(f"sparse attention (Mosaic GPU): needs {HEADS} bf16 query heads of width {WIDTH}, got "
                          f"{q_bhd.dtype} {q_bhd.shape}")
     if entries_len_b is not None:
-        raise ValueError("sparse attention (Mosaic GPU): entry prefixes (HCA) are not covered")
+        raise CannotTile("sparse attention (Mosaic GPU): entry prefixes (HCA) are not covered")
     if entries is not None and idx_bk is None:
         raise ValueError("sparse attention: give exactly one of the entry counts (attend a prefix) and the picks")
     if not interpret:
@@ -355,7 +357,7 @@ def sparse_decode_mosaic(q_bhd: jax.Array, window, window_len_b: jax.Array, entr
     used = 2 * HEADS * WIDTH + max(2 * (n_buf + 2 * (gather == "bulk")) * block_k * WIDTH, 2 * HEADS * WIDTH) + 4 * (
         2 * HEADS * block_k + n_blocks * block_k)
     if not interpret and used > _SMEM_BYTES - 1024:
-        raise ValueError(f"sparse attention (Mosaic GPU): {n_blocks * block_k} rows per split need "
+        raise CannotTile(f"sparse attention (Mosaic GPU): {n_blocks * block_k} rows per split need "
                          f"{used} bytes of shared memory (of {_SMEM_BYTES}); raise num_splits")
 
     def dsjax_sparse_decode_mosaic(*refs):  # the kernel's name in profiles and lowered modules
@@ -381,12 +383,14 @@ def sparse_decode_mosaic_packed(q_bhd: jax.Array, window, window_len_b: jax.Arra
     dequantizes them and the window ring to bf16 as `quant.unpack_kv` does (the rounding the Triton
     kernel applies in registers), then the kernel attends them with the picks renumbered 0..k-1.
     That costs a second pass over the picked rows, which the Triton kernel avoids, and is still 2.3×
-    faster (fp8, 64 slots × 128K on the H200: 71 µs against 162). Raises ValueError where no row is
+    faster (fp8, 64 slots × 128K on the H200: 71 µs against 162). Raises CannotTile where no row is
     packed (the kernel takes bf16 rows directly) and on what the kernel does not cover."""
     if not (isinstance(window, PackedKV) or isinstance(entries, PackedKV)):
-        raise ValueError("sparse attention (Mosaic GPU, packed rows): no packed rows; the kernel takes these")
-    if entries_len_b is not None or (entries is not None and idx_bk is None):
-        raise ValueError("sparse attention (Mosaic GPU): entry prefixes (HCA) are not covered")
+        raise CannotTile("sparse attention (Mosaic GPU, packed rows): no packed rows; the kernel takes these")
+    if entries_len_b is not None:
+        raise CannotTile("sparse attention (Mosaic GPU): entry prefixes (HCA) are not covered")
+    if entries is not None and idx_bk is None:
+        raise ValueError("sparse attention: give exactly one of the entry counts (attend a prefix) and the picks")
     unpack = lambda rows: unpack_kv(rows, jnp.bfloat16) if isinstance(rows, PackedKV) else rows
     if entries is not None:
         valid = (idx_bk >= 0) & (idx_bk < jax.tree.leaves(entries)[0].shape[1])  # as the kernel reads picks

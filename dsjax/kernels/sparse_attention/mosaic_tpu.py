@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from dsjax.kernels.dispatch import CannotTile
 from dsjax.quant import PackedKV
 
 F32 = jnp.float32
@@ -188,7 +189,7 @@ def layout_of(rows, width: int, what: str) -> Layout:
     fmt = rows.fmt
     n_codes, n_scales = (n, -(-n // rows.group)) if fmt == "fp8" else (n // 2, -(-n // rows.group))
     if fmt == "fp4" and n % 2:
-        raise ValueError(f"sparse attention TPU kernel: fp4 {what} rows need an even number of quantized channels, got {n}")
+        raise CannotTile(f"sparse attention TPU kernel: fp4 {what} rows need an even number of quantized channels, got {n}")
     if rows.codes.shape[-1] != n_codes or rows.scales.shape[-1] != n_scales:
         raise ValueError(f"sparse attention TPU kernel: {what} {fmt} rows of {width} channels ({rd} rotary) need codes "
                          f"[..., {n_codes}] and scales [..., {n_scales}], got {tuple(rows.codes.shape)} and "
@@ -208,7 +209,7 @@ def _block_rows(n_rows: int, block_k: int, arrays: list[jax.Array], what: str) -
         return n_rows
     tile = max(row_tile(a.dtype) for a in arrays)
     if n_rows % block_k or block_k % tile:
-        raise ValueError(f"sparse attention TPU kernel: {n_rows} {what} rows cannot be tiled in blocks of "
+        raise CannotTile(f"sparse attention TPU kernel: {n_rows} {what} rows cannot be tiled in blocks of "
                          f"block_k={block_k}: block_k must divide the rows and be a multiple of {tile} (the storage's "
                          "sublane tile)")
     return block_k
@@ -415,12 +416,12 @@ def _attention(q_nhd, window, window_start_n, window_end_n, entries, sinks_h, sc
     """N query rows, row i reading slot i // rows_per_slot's window rows [start, end) and entries."""
     n, h, d = q_nhd.shape
     if q_nhd.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"{what}: queries must be bfloat16 or float32, got {q_nhd.dtype}")
+        raise CannotTile(f"{what}: queries must be bfloat16 or float32, got {q_nhd.dtype}")
     if entries is not None and (entries_len_n is None) == (idx_nk is None):
         raise ValueError(f"{what}: give exactly one of the entry counts (attend a prefix) and the picks")
     block_h = block_h or h
     if h % block_h or (block_h != h and block_h % 8):
-        raise ValueError(f"{what}: heads ({h}) must be a multiple of block_h ({block_h}), "
+        raise CannotTile(f"{what}: heads ({h}) must be a multiple of block_h ({block_h}), "
                          "itself a multiple of 8 unless it is all of them")
     if block_k < 1:
         raise ValueError(f"{what}: block_k must be positive, got {block_k}")
@@ -434,7 +435,7 @@ def _attention(q_nhd, window, window_start_n, window_end_n, entries, sinks_h, sc
     if entries is not None:
         entry_layout = layout_of(entries, d, "entry")
         if entry_layout != layout:
-            raise ValueError(f"{what}: window and entries must be stored alike, got {layout} and {entry_layout}")
+            raise CannotTile(f"{what}: window and entries must be stored alike, got {layout} and {entry_layout}")
         entry_arrays = layout.arrays(entries)
         n_entries = entry_arrays[0].shape[1]
         if mode == "prefix":

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsjax.kernels.fp16 import fp16_rows
-from dsjax.kernels.rows import load_piece, row_pieces, storage
+from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.gpu_fp16 import fp16_rows
+from dsjax.kernels.triton_rows import load_piece, row_pieces, storage
 from dsjax.numerics import precision
 from dsjax.quant import PackedKV
 
@@ -78,9 +79,9 @@ def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: 
     tiling was the fastest of a sweep on an H200 at batch 64 and 128K context (`docs/benchmarks.md`)."""
     b, h, c = q_bhc.shape
     if isinstance(keys, PackedKV) and keys.fmt != "fp8":
-        raise ValueError(f"index_scores_gpu: index keys are stored as fp8 or float, got {keys.fmt}")
+        raise CannotTile(f"index_scores_gpu: index keys are stored as fp8 or float, got {keys.fmt}")
     if h % 16 or block_t % 16:
-        raise ValueError(f"index_scores_gpu: index heads ({h}) and block_t ({block_t}) must be multiples of 16")
+        raise CannotTile(f"index_scores_gpu: index heads ({h}) and block_t ({block_t}) must be multiples of 16")
     pieces = row_pieces(keys, c, "index key")
     arrays = storage(keys)
     t = arrays[0].shape[1]

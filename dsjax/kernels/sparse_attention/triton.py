@@ -7,7 +7,7 @@ dequantizes each block in registers. A key row is read once per head block, so o
 all heads reads the cache once; `num_splits` > 1 divides the keys between programs (flash-decoding)
 for small batches, and their partial sums are merged outside.
 
-Rows arrive as column pieces (`kernels/rows.py`) whose widths Triton can tile; scores sum the
+Rows arrive as column pieces (`kernels/triton_rows.py`) whose widths Triton can tile; scores sum the
 pieces' dot products and each piece has its own output accumulator.
 
 Numerics follow `reference.py`: scores, softmax and sums in fp32. For bf16 activations P·V runs on
@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsjax.kernels.rows import load_piece, row_pieces, storage
+from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.triton_rows import load_piece, row_pieces, storage
 from dsjax.numerics import precision
 
 def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, entry_pieces, mode, num_splits,
@@ -151,12 +152,12 @@ def _attention(q_nhd, window, window_start_n, window_end_n, entries, sinks_h, sc
     if entries is not None and (entries_len_n is None) == (idx_nk is None):
         raise ValueError("sparse attention: give exactly one of the entry counts (attend a prefix) and the picks")
     if h % block_h or block_h < 16:
-        raise ValueError(f"sparse attention GPU kernel: heads ({h}) must be a multiple of block_h ({block_h} ≥ 16)")
+        raise CannotTile(f"sparse attention GPU kernel: heads ({h}) must be a multiple of block_h ({block_h} ≥ 16)")
     window_pieces = row_pieces(window, d, "window")
     entry_pieces = () if entries is None else row_pieces(entries, d, "entry")
     if entries is not None and entry_pieces != window_pieces:
         # Accumulators are per piece of the window's layout; entries must tile the same columns.
-        raise ValueError("sparse attention GPU kernel: window and entries must split their rows at the same "
+        raise CannotTile("sparse attention GPU kernel: window and entries must split their rows at the same "
                          f"columns, got {window_pieces} and {entry_pieces}")
 
     def per_row(a):

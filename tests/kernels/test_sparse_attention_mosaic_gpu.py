@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.kernels.sparse_attention.mosaic import sparse_decode_mosaic, sparse_decode_mosaic_packed
+from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.sparse_attention.mosaic_gpu import sparse_decode_mosaic, sparse_decode_mosaic_packed
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
 from dsjax.quant import pack_kv
 
@@ -76,10 +77,10 @@ def test_packed_picks_past_the_entries_pick_nothing_as_the_kernel_reads_them():
 
 def test_packed_path_leaves_bf16_rows_and_prefixes():
     args, kw = inputs(0, 2, 48, 300, 100)
-    with pytest.raises(ValueError, match="no packed rows"):
+    with pytest.raises(CannotTile, match="no packed rows"):
         sparse_decode_mosaic_packed(*args, **kw, interpret=True)
     packed = (args[0], args[1], args[2], pack_kv(args[3], "fp8", 64)) + args[4:]
-    with pytest.raises(ValueError, match="prefixes"):
+    with pytest.raises(CannotTile, match="prefixes"):
         sparse_decode_mosaic_packed(*packed, entries_len_b=jnp.ones((2,), jnp.int32), interpret=True)
 
 
@@ -98,17 +99,20 @@ def test_lowers_for_cuda():
     assert "dsjax_sparse_decode_mosaic" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda a, kw: ((a[0][:, :32],) + a[1:], kw), "64 bf16 query heads"),
-    (lambda a, kw: ((a[0].astype(jnp.float32),) + a[1:], kw), "64 bf16 query heads"),
-    (lambda a, kw: (a[:3] + (pack_kv(a[3], "fp8", 64),) + a[4:], kw), "entries must be a bf16 array"),
-    (lambda a, kw: (a, {"entries_len_b": jnp.ones((2,), jnp.int32)}), "prefixes"),
-    (lambda a, kw: (a, {}), "exactly one"),
+@pytest.mark.parametrize("change,message,untileable", [
+    (lambda a, kw: ((a[0][:, :32],) + a[1:], kw), "64 bf16 query heads", True),
+    (lambda a, kw: ((a[0].astype(jnp.float32),) + a[1:], kw), "64 bf16 query heads", True),
+    (lambda a, kw: (a[:3] + (pack_kv(a[3], "fp8", 64),) + a[4:], kw), "entries must be a bf16 array", True),
+    (lambda a, kw: (a, {"entries_len_b": jnp.ones((2,), jnp.int32)}), "prefixes", True),
+    (lambda a, kw: (a, {}), "exactly one", False),
 ])
-def test_leaves_what_it_does_not_cover_with_a_clear_error(change, message):
+def test_leaves_what_it_does_not_cover_with_a_clear_error(change, message, untileable):
+    """What it does not cover raises CannotTile (the op then takes the Triton kernel); bad arguments a
+    plain ValueError."""
     args, kw = change(*inputs(0, 2, 48, 300, 100))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         sparse_decode_mosaic(*args, **kw, interpret=True)
+    assert isinstance(err.value, CannotTile) == untileable
 
 
 def test_native_gather_lowers_and_the_interpreter_refuses_it():
@@ -119,15 +123,16 @@ def test_native_gather_lowers_and_the_interpreter_refuses_it():
         text = jax.jit(lambda *a: sparse_decode_mosaic(*a, 512 ** -0.5, idx_bk=kw["idx_bk"], gather=gather)).trace(
             *args[:5]).lower(lowering_platforms=("cuda",)).as_text()
         assert ("nvvm.cp.async.shared.global" in text) == (gather != "bulk"), gather
-    with pytest.raises(ValueError, match="gather must be 'cp_async'"):
+    with pytest.raises(ValueError, match="gather must be 'cp_async'") as err:
         sparse_decode_mosaic(*args, **kw, gather="cp_async", interpret=True)
+    assert not isinstance(err.value, CannotTile)
     with pytest.raises(ValueError, match="gather must be"):
         sparse_decode_mosaic(*args, **kw, gather="tma")
 
 
 def test_rejects_too_many_rows_per_split():
     args, kw = inputs(0, 1, 128, 8192, 6400, hole=0.0)
-    with pytest.raises(ValueError, match="raise num_splits"):
+    with pytest.raises(CannotTile, match="raise num_splits"):
         sparse_decode_mosaic(*args, **kw, num_splits=1)
 
 
@@ -136,5 +141,5 @@ def test_leaves_gpus_without_wgmma_to_triton(monkeypatch):
         platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
     monkeypatch.setattr(jax, "local_devices", lambda: [Ampere()])
     args, kw = inputs(0, 3, 24, 300, 100)  # shapes no other test traces: the check runs when tracing
-    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+    with pytest.raises(CannotTile, match="needs a Hopper GPU"):
         sparse_decode_mosaic(*args, **kw)

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.kernels.sparse_attention.gpu import sparse_decode_gpu, sparse_prefill_gpu
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
+from dsjax.kernels.sparse_attention.triton import sparse_decode_gpu, sparse_prefill_gpu
 from dsjax.quant import pack_kv
 from tests.helpers import assert_close
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.sinkhorn.reference import rounds
 
 
@@ -24,10 +25,10 @@ def _kernel(c_ref, o_ref, *, iters, eps):
 @functools.partial(jax.jit, static_argnames=("iters", "eps", "block", "interpret"))
 def sinkhorn_gpu(comb: jax.Array, iters: int, eps: float, *, block: int = 32, interpret: bool = False) -> jax.Array:
     """`reference.sinkhorn_reference` as a Pallas kernel (same arguments and result) for float32
-    `comb [..., n, n]` with n a power of two (Triton's blocks are); raises ValueError otherwise."""
+    `comb [..., n, n]` with n a power of two (Triton's blocks are); raises CannotTile otherwise."""
     n = comb.shape[-1]
     if comb.ndim < 2 or comb.shape[-2] != n or n & (n - 1) or comb.dtype != jnp.float32:
-        raise ValueError(f"sinkhorn_gpu: takes float32 [..., n, n] with n a power of two, got "
+        raise CannotTile(f"sinkhorn_gpu: takes float32 [..., n, n] with n a power of two, got "
                          f"{comb.dtype} {comb.shape}")
     if block < 1 or block & (block - 1):
         raise ValueError(f"sinkhorn_gpu: block must be a power of two, got {block}")

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dsjax.kernels.dispatch import CannotTile
 from dsjax.quant import FP4_GROUP, PackedKV, ue8m0_to_float
 
 _FP4_PIECE = 64  # columns per fp4 piece: 32 bytes, two scale groups
@@ -36,13 +37,13 @@ def row_pieces(rows, width: int, what: str) -> tuple[Piece, ...]:
     """How a kernel tiles one row of `rows` (array or PackedKV); refuses layouts Triton cannot tile."""
     if not isinstance(rows, PackedKV):
         if not _power_of_two(width) or width < 16:
-            raise ValueError(f"GPU kernel: {what} rows of {width} channels; it needs a power of two ≥ 16")
+            raise CannotTile(f"GPU kernel: {what} rows of {width} channels; it needs a power of two ≥ 16")
         return (Piece("float", 0, width),)
     rd = rows.rope.shape[-1]
     body = width - rd
     step = rows.group if rows.fmt == "fp8" else _FP4_PIECE
     if not _power_of_two(step) or step < 16 or body % step or (rd and (not _power_of_two(rd) or rd < 16)):
-        raise ValueError(f"GPU kernel: {what} rows hold {body} {rows.fmt} channels in groups of "
+        raise CannotTile(f"GPU kernel: {what} rows hold {body} {rows.fmt} channels in groups of "
                          f"{rows.group} and {rd} rotary channels; it needs the {rows.fmt} channels "
                          f"in whole pieces of {step} (a power of two ≥ 16) and a power-of-two rotary slice ≥ 16")
     pieces = tuple(Piece(rows.fmt, c, step) for c in range(0, body, step))

@@ -18,10 +18,10 @@ holds one tile and `block_n` output columns and walks the expert's inputs a step
   the step's largest scale). Eight products per step, code p of every word against inputs
   `8j + p`, times `2^s_max`.
 
-The activations are converted to fp16 exactly (`kernels.fp16.fp16_rows`: each row scaled by a power of
+The activations are converted to fp16 exactly (`kernels.gpu_fp16.fp16_rows`: each row scaled by a power of
 two first, undone on the sums). So every product is exact and only the fp32 summation order differs
 from the reference, which dequantizes to bf16 first: a ue8m0 scale times a code is exact in bf16.
-Float (non power-of-two) scales would round there; they are not taken here (`ValueError`).
+Float (non power-of-two) scales would round there; they are not taken here (`CannotTile`).
 
 Reading codes as 2- or 4-byte words also keeps every array addressable: Pallas's Triton lowering
 computes offsets in int32 unless an array spans more than 2^32 bytes, which an array of more than
@@ -38,7 +38,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsjax.kernels.fp16 import fp16_rows, pow2
+from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.gpu_fp16 import fp16_rows, pow2
 from dsjax.quant import FP4_GROUP, ue8m0_bytes_to_float, ue8m0_to_float
 
 _FP8_BLOCK = 128
@@ -181,7 +182,7 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
     Pallas kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`)
     and the kernel reads entry `layer` where it lies. `block_n` defaults to 64 for FP8 (at most its
     128-block) and to 128 for FP4 where it tiles and there are more than `FEW_ROWS` rows (measured best
-    on the H200), else 64. Raises ValueError for what it does not take: non-bf16 activations, float
+    on the H200), else 64. Raises CannotTile for what it does not take: non-bf16 activations, float
     scales, widths that do not tile, experts it cannot address."""
     p, k = x_pk.shape
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_gpu")
@@ -190,15 +191,15 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
     # 0.25 against 0.31 ms on V4-Flash's gate_up.
     block_n = block_n or (128 if storage == "fp4" and n % 128 == 0 and p > FEW_ROWS else 64)
     if x_pk.dtype != jnp.bfloat16:
-        raise ValueError(f"expert_matmul_gpu: activations must be bf16, got {x_pk.dtype}")
+        raise CannotTile(f"expert_matmul_gpu: activations must be bf16, got {x_pk.dtype}")
     if block_m % 16 or block_n % 16:
-        raise ValueError(f"expert_matmul_gpu: block_m ({block_m}) and block_n ({block_n}) must be multiples of 16")
+        raise CannotTile(f"expert_matmul_gpu: block_m ({block_m}) and block_n ({block_n}) must be multiples of 16")
     if n % block_n:
-        raise ValueError(f"expert_matmul_gpu: {n} output columns do not tile by {block_n}")
+        raise CannotTile(f"expert_matmul_gpu: {n} output columns do not tile by {block_n}")
     if storage not in ("fp8", "fp4"):
         raise ValueError(f"expert_matmul_gpu: storage must be 'fp8' or 'fp4', got {storage!r}")
     if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
-        raise ValueError(f"expert_matmul_gpu: {storage.upper()} experts need ue8m0 (power-of-two) scales, got "
+        raise CannotTile(f"expert_matmul_gpu: {storage.upper()} experts need ue8m0 (power-of-two) scales, got "
                          f"{scale.dtype}: bf16 dequantization would round float scales")
     scale = jax.lax.bitcast_convert_type(scale, jnp.uint8)
     pieces, unscale_p = fp16_rows({0: x_pk})
@@ -206,16 +207,16 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
     x16 = jnp.pad(pieces[0], ((0, block_m), (0, 0)))
     if storage == "fp8":
         if k % _FP8_BLOCK or _FP8_BLOCK % block_n or w_enk.shape[2] != k:
-            raise ValueError(f"expert_matmul_gpu: FP8 experts [{e}, {n}, {w_enk.shape[2]}] against {k} inputs "
+            raise CannotTile(f"expert_matmul_gpu: FP8 experts [{e}, {n}, {w_enk.shape[2]}] against {k} inputs "
                              f"do not tile by 128-blocks and block_n {block_n}")
         if scale.shape != (e, -(-n // _FP8_BLOCK), k // _FP8_BLOCK):
-            raise ValueError(f"expert_matmul_gpu: FP8 scales {scale.shape} are not 128 × 128 blocks of {w_enk.shape}")
+            raise CannotTile(f"expert_matmul_gpu: FP8 scales {scale.shape} are not 128 × 128 blocks of {w_enk.shape}")
         words, n_k, scale = None, k // _FP8_BLOCK, ue8m0_to_float(scale)
         w_enk = jax.lax.bitcast_convert_type(w_enk.reshape(e, n, k // 2, 2), jnp.int16)  # a free view
         x_parts = jnp.stack([x16[:, 0::2], x16[:, 1::2]])  # even and odd inputs
     else:
         if k % 128 or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
-            raise ValueError(f"expert_matmul_gpu: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
+            raise CannotTile(f"expert_matmul_gpu: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
                              f"inputs do not make whole steps of 128 inputs in groups of {FP4_GROUP}")
         words = 32 if k % 256 == 0 else 16  # 256 inputs per step measured best; 128 where K needs it
         n_k = k // (8 * words)
@@ -224,7 +225,7 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
         scale = jax.lax.bitcast_convert_type(scale.reshape(e, n, k // 128, 4), jnp.int32)
         x_parts = jnp.stack([x16[:, i::8] for i in range(8)])  # code i of word j multiplies input 8j + i
     if not addressable(w_enk):
-        raise ValueError(f"expert_matmul_gpu: experts of {w_enk.size} elements of {w_enk.dtype.itemsize} bytes "
+        raise CannotTile(f"expert_matmul_gpu: experts of {w_enk.size} elements of {w_enk.dtype.itemsize} bytes "
                          "are past Triton's int32 offsets (more than 2^31 elements in at most 2^32 bytes)")
     unscale_p = jnp.pad(unscale_p, (0, block_m))
     group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dsjax.kernels.sparse_attention.tpu import byte_values, e4m3_to_f32
+from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.sparse_attention.mosaic_tpu import byte_values, e4m3_to_f32
 from dsjax.quant import PackedKV
 
 F32 = jnp.float32
@@ -91,7 +92,7 @@ def index_scores_tpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: 
     b, h, c = q_bhc.shape
     packed = isinstance(keys, PackedKV)
     if packed and keys.fmt != "fp8":
-        raise ValueError("index_scores_tpu: index keys must be a float array or fp8 PackedKV; fp4 index keys are "
+        raise CannotTile("index_scores_tpu: index keys must be a float array or fp8 PackedKV; fp4 index keys are "
                          "not supported (the cache never stores them in fp4)")
     leading = keys.codes if packed else keys
     if leading.ndim != 3 or leading.shape[0] != b:
@@ -110,7 +111,7 @@ def index_scores_tpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: 
     if t_len <= block_t:
         block_t = t_len
     elif t_len % block_t or block_t % 128:
-        raise ValueError(f"index_scores_tpu: {t_len} keys cannot be tiled in blocks of block_t={block_t}: block_t "
+        raise CannotTile(f"index_scores_tpu: {t_len} keys cannot be tiled in blocks of block_t={block_t}: block_t "
                          "must divide them and be a multiple of 128")
 
     def key_block(i, t, lens):

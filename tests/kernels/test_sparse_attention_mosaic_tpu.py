@@ -1,6 +1,7 @@
-"""The Pallas TPU kernels (sparse decode attention, indexer scores), run on CPU by the TPU interpreter,
-against the pure-JAX references on fresh random inputs for every cache storage; their lowering for
-TPU (`jax.export` to platform "tpu"); the exact bit-level decoders they dequantize with.
+"""The Mosaic TPU sparse attention kernels (decode, prefill), run on CPU by the TPU interpreter, against
+the pure-JAX references on fresh random inputs for every cache storage; their lowering for TPU
+(`jax.export` to platform "tpu"); the exact bit-level decoders they (and the indexer's TPU kernel)
+dequantize with.
 
 The TPU interpreter is slow: shapes are small and each storage has one or two cases."""
 
@@ -13,11 +14,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from dsjax.kernels.indexer.reference import index_scores_reference
-from dsjax.kernels.indexer.tpu import index_scores_tpu
+from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.sparse_attention.mosaic_tpu import (e2m1_to_f32, e4m3_to_f32, scales_to_f32, sparse_decode_tpu,
+                                                        sparse_prefill_tpu)
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
-from dsjax.kernels.sparse_attention.tpu import (e2m1_to_f32, e4m3_to_f32, scales_to_f32, sparse_decode_tpu,
-                                                 sparse_prefill_tpu)
 from dsjax.quant import E2M1_VALUES, pack_kv, ue8m0_to_float
 from tests.helpers import assert_close
 
@@ -26,7 +26,6 @@ INTERPRET = pltpu.InterpretParams()
 pack = jax.jit(pack_kv, static_argnums=(1, 2, 3))
 attention_reference = jax.jit(sparse_decode_reference, static_argnames=("scale", "out_dtype"))
 prefill_reference = jax.jit(sparse_prefill_reference, static_argnames=("scale", "out_dtype"))
-index_reference = jax.jit(index_scores_reference, static_argnames=("scale",))
 
 
 def rtol_for(q):
@@ -104,11 +103,22 @@ def test_sparse_decode_lowers_for_tpu(kv_dtype, mode):
 
 def test_sparse_decode_refuses_untileable_shapes():
     args, kw = attention_inputs(0, "bfloat16", "picks", w=48)
-    with pytest.raises(ValueError, match="48 window rows cannot be tiled"):
+    with pytest.raises(CannotTile, match="48 window rows cannot be tiled"):
         sparse_decode_tpu(*args, **kw, block_k=32, interpret=INTERPRET)
     args, kw = attention_inputs(0, "bfloat16", "prefix", h=12)
-    with pytest.raises(ValueError, match="block_h"):
+    with pytest.raises(CannotTile, match="block_h"):
         sparse_decode_tpu(*args, **kw, block_h=8, interpret=INTERPRET)
+    with pytest.raises(CannotTile, match="bfloat16 or float32"):
+        sparse_decode_tpu(args[0].astype(jnp.float16), *args[1:], **kw, interpret=INTERPRET)
+
+
+def test_sparse_decode_raises_other_errors_as_they_are():
+    """Arguments no kernel takes are not a tiling matter: plain ValueErrors, which `dispatch` lets through."""
+    args, kw = attention_inputs(0, "bfloat16", "prefix")
+    for bad in ({}, {**kw, "block_k": 0}):
+        with pytest.raises(ValueError) as err:
+            sparse_decode_tpu(*args, **bad, interpret=INTERPRET)
+        assert not isinstance(err.value, CannotTile)
 
 
 @pytest.mark.parametrize("kv_dtype,mode,wn,tiling", [("fp8", "picks", 64, {"block_k": 32}),
@@ -142,61 +152,6 @@ def test_sparse_prefill_matches_reference(kv_dtype, mode, wn, tiling):
     exported = jax.export.export(jax.jit(functools.partial(sparse_prefill_tpu, scale=args[-1], **tiling)),
                                  platforms=["tpu"])(*args[:-1], **kw)
     assert "dsjax_sparse_prefill_tpu" in exported.mlir_module()
-
-
-# ------------------------------------------------------------------------------- indexer scores
-def index_inputs(seed, keys, *, b=2, h=16, c=128, t=64, dtype=jnp.bfloat16, group=128, rd=0):
-    """Slot 0 has no key; the others a random count."""
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.normal(size=(b, h, c)), dtype)
-    weights = jnp.asarray(rng.normal(size=(b, h)), jnp.float32)
-    k = rng.normal(size=(b, t, c))
-    k = pack(jnp.asarray(k, jnp.float32), "fp8", rd, group) if keys == "fp8" else jnp.asarray(k, keys)
-    keys_len = rng.integers(1, t + 1, size=b)
-    keys_len[0] = 0
-    return q, weights, k, jnp.asarray(keys_len, jnp.int32), c ** -0.5
-
-
-INDEX_CASES = [
-    ("bfloat16", {}, {}),
-    ("float32", {"dtype": jnp.float32, "t": 256}, {"block_t": 128}),  # a block past a slot's keys is skipped
-    ("float32", {}, {}),  # bf16 queries, fp32 keys: an fp32 dot
-    ("fp8", {"group": 64}, {}),  # two scale groups
-    ("fp8", {"dtype": jnp.float32}, {}),
-]
-
-
-@pytest.mark.parametrize("seed,case", list(enumerate(INDEX_CASES)),
-                         ids=[case_id(c[0], {**c[1], **c[2]}) for c in INDEX_CASES])
-def test_index_scores_match_reference(seed, case):
-    keys, shape, tiling = case
-    args = index_inputs(seed, keys, **shape)
-    want = np.asarray(index_reference(*args))
-    got = np.asarray(index_scores_tpu(*args, **tiling, interpret=INTERPRET))
-    assert got.dtype == np.float32 and got.shape == want.shape
-    visible = np.isfinite(want)
-    assert not visible[0].any() and visible.any()
-    np.testing.assert_array_equal(np.isfinite(got), visible)
-    assert (got[~visible] == -np.inf).all()
-    assert_close(got[visible], want[visible], rtol=rtol_for(args[0]), what=keys)
-
-
-@pytest.mark.parametrize("keys", ["fp8", "bfloat16"])
-def test_index_scores_lower_for_tpu(keys):
-    q, weights, k, keys_len, scale = index_inputs(0, keys)
-    fn = jax.jit(functools.partial(index_scores_tpu, scale=scale))
-    exported = jax.export.export(fn, platforms=["tpu"])(q, weights, k, keys_len)
-    assert "tpu_custom_call" in exported.mlir_module()
-
-
-def test_index_scores_refuse_fp4_keys_and_untileable_blocks():
-    q, weights, _, keys_len, scale = index_inputs(0, "bfloat16")
-    fp4 = pack_kv(jnp.zeros((2, 64, 128), jnp.float32), "fp4", 0)
-    with pytest.raises(ValueError, match="fp4"):
-        index_scores_tpu(q, weights, fp4, keys_len, scale, interpret=INTERPRET)
-    args = index_inputs(0, "bfloat16", t=256)
-    with pytest.raises(ValueError, match="block_t=100"):
-        index_scores_tpu(*args, block_t=100, interpret=INTERPRET)
 
 
 # ------------------------------------------------------------------------------------- decoders

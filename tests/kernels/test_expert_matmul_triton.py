@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from dsjax.export import abstract_device, disabled_checks
-from dsjax.kernels.expert_matmul.gpu import addressable, expert_matmul_gpu, group_tiles
+from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
+from dsjax.kernels.expert_matmul.triton import addressable, expert_matmul_gpu, group_tiles
 from dsjax.quant import quantize_fp4, quantize_fp8
 from dsjax.stacked import StackedSlice
 
@@ -166,22 +167,25 @@ def test_lowers_for_cuda(storage):
     assert "dsjax_expert_matmul" in text
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda x, q, s: (x.astype(jnp.float32), q, s, "fp8"), "activations must be bf16"),
-    (lambda x, q, s: (x, q, s.astype(jnp.float32), "fp8"), "ue8m0"),
-    (lambda x, q, s: (x[:, :128], q, s, "fp8"), "do not tile"),
-    (lambda x, q, s: (x, q, s, "int4"), "storage must be"),
-    (lambda x, q, s: (x, q[:, :, :64].view(jnp.int8), s, "fp4"), "do not make whole steps"),
-    (lambda x, q, s: (x, q, s, "fp8", 0), "stacked experts needs"),
-    (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], "fp8", 0), "stacked experts needs"),
-    (lambda x, q, s: (x, q[None, :1], s[None, :1], "fp8", 0), "2 group sizes for 1 experts"),
+@pytest.mark.parametrize("change,message,untileable", [
+    (lambda x, q, s: (x.astype(jnp.float32), q, s, "fp8"), "activations must be bf16", True),
+    (lambda x, q, s: (x, q, s.astype(jnp.float32), "fp8"), "ue8m0", True),
+    (lambda x, q, s: (x[:, :128], q, s, "fp8"), "do not tile", True),
+    (lambda x, q, s: (x, q, s, "int4"), "storage must be", False),
+    (lambda x, q, s: (x, q[:, :, :64].view(jnp.int8), s, "fp4"), "do not make whole steps", True),
+    (lambda x, q, s: (x, q, s, "fp8", 0), "stacked experts needs", False),
+    (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], "fp8", 0), "stacked experts needs", False),
+    (lambda x, q, s: (x, q[None, :1], s[None, :1], "fp8", 0), "2 group sizes for 1 experts", False),
 ])
-def test_refuses_what_it_does_not_take_with_a_clear_error(change, message):
+def test_refuses_what_it_does_not_take_with_a_clear_error(change, message, untileable):
+    """What it cannot tile raises CannotTile (the op then takes the reference); bad arguments a plain
+    ValueError."""
     q, s = experts("fp8", 2, 128, 256)
     x = jnp.ones((8, 256), jnp.bfloat16)
     x, q, s, storage, *layer = change(x, q, s)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         expert_matmul_gpu(x, q, s, jnp.asarray([4, 4], jnp.int32), storage, *layer, interpret=True)
+    assert isinstance(err.value, CannotTile) == untileable
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
