@@ -1,4 +1,5 @@
-"""The V4 cache: fixed-shape device arrays for `num_slots` sequences of up to `max_len` tokens.
+"""The V4 cache: fixed-shape device arrays for `num_slots` sequences of up to `max_len` tokens, and the
+functions through which the layers read and write it.
 
 Per layer it holds
 - `window [B, W, D]`: the last W = sliding_window shared K=V vectors, a ring indexed by position % W;
@@ -6,13 +7,36 @@ Per layer it holds
   (a ring of m tokens), for CSA the previous complete window's Ca half (the overlap), and the
   compressed entries `[B, max_len // m, width]`;
 - for CSA layers a second `CompressorState` for the lightning indexer's keys.
-Entry counts are never stored: a slot of length L has exactly L // m entries.
+Entry counts are never stored: a slot of length L has exactly `num_entries(L, m)` = L // m entries.
 
 The cache mirrors the model's layer groups (stacked over each group's repeats) so one `lax.scan` walks
 weights and cache.
 
 `kv_dtype` "fp8" or "fp4" stores the window and the compressed entries as `PackedKV` (codes + scales,
 rotary slice bf16) and the indexer's keys as fp8; the partial-window buffers stay in the float dtype.
+
+Access. The layers compute (projections, pooling, attention) and never index these arrays; where rows
+are stored, and how (packing through `as_rows`, unpacking through `read_rows`), is decided here. A
+cached step of C new tokens per slot at positions start … start + C − 1, the first n_valid real:
+- window: `extend_window` packs the chunk's K=V rows, writes the real ones at their ring slots and
+  returns the `WindowKeys` the chunk's queries attend (`write_window` writes only; `ring_positions`
+  says which position a slot holds);
+- compressor: `gather_windows` lays the buffered partial window and the chunk's raw kv/gate out as
+  whole windows (`Windows`, with the CSA overlap of the window before them); the layer pools them;
+  `store_windows` writes the entries of the windows that completed (`write_entries`) and keeps the
+  new partial window (and overlap) in the buffer;
+- entries: `write_entries` and `read_entries` take the entries store itself (any `[B, T, width]`
+  rows, float or `PackedKV`), and the attention and indexer kernels read a store as it is, so no entry
+  access assumes that the store belongs to the layer reading it.
+
+Sharing entries between layers (DeepSeek-V4.1's CSA2: a source layer owns a compressor and the index
+keys; later "Reindex" and "Reuse" layers attend its entries, with picks of their own or the source's).
+All a reader needs are values: the entries store (`CompressorState.entries`, or any rows) and a
+`layers.compression.Selection`. The source writes its store as a V4 layer does (`store_windows`,
+`write_entries`); the compressors' `extend` returns `(entries, selection, layer cache)`, and a later
+layer of the same step that is handed those (threaded through the layer loop, e.g. in the scan carry)
+reads them with `read_entries` or the kernels exactly as it would its own. Between steps the store stays
+in the source layer's cache; a layer that only reads would hold no `CompressorState`.
 """
 
 from __future__ import annotations
@@ -24,6 +48,9 @@ import jax.numpy as jnp
 
 from dsjax.config import HCA, SLIDING, ModelConfig
 from dsjax.quant import INDEX_FP8_GROUP, KV_DTYPES, KV_FP8_GROUP, PackedKV, empty_kv, pack_kv, unpack_kv
+from dsjax.run_config import check_choice
+
+Rows = jax.Array | PackedKV
 
 
 @jax.tree_util.register_dataclass
@@ -55,24 +82,195 @@ class Cache:
         return self.lengths.shape[0]
 
 
-def kv_rows(shape, dtype, kv_dtype: str | None, rope_dim: int, group: int = KV_FP8_GROUP):
+# ------------------------------------------------------------------------------------------- storage
+
+def kv_rows(shape, dtype, kv_dtype: str | None, rope_dim: int, group: int = KV_FP8_GROUP) -> Rows:
     """Zeroed cache rows: a float array, or PackedKV for kv_dtype "fp8"/"fp4"."""
     if kv_dtype in (None, "bfloat16"):
         return jnp.zeros(shape, jnp.bfloat16 if kv_dtype else dtype)
     return empty_kv(shape, kv_dtype, rope_dim, group)
 
 
-def read_rows(stored, dtype) -> jax.Array:
+def read_rows(stored: Rows, dtype) -> jax.Array:
     """Cache rows as `dtype` values."""
     return unpack_kv(stored, dtype) if isinstance(stored, PackedKV) else stored.astype(dtype)
 
 
-def as_rows(x: jax.Array, like):
+def as_rows(x: jax.Array, like: Rows) -> Rows:
     """New rows `x` in the storage of `like` (to be written into it)."""
     if isinstance(like, PackedKV):
         return pack_kv(x, like.fmt, like.rope.shape[-1], like.group)
     return x.astype(like.dtype)
 
+
+def _along_rows(index_bn: jax.Array, x: jax.Array) -> jax.Array:
+    """`index_bn` shaped to pick rows (axis 1) of `x` with `take_along_axis`."""
+    return index_bn.reshape(index_bn.shape + (1,) * (x.ndim - 2))
+
+
+# --------------------------------------------------------------------------------------- window ring
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WindowKeys:
+    """The window keys of a chunk's C queries: query c sees rows `start_bc[b, c] … end_bc[b, c] − 1` of
+    `rows`, exactly the real positions `q − W < k ≤ q` of its own position q."""
+
+    rows: Rows  # [B, N, D] in the ring's storage: C = 1 the ring itself (start 0), else W ring rows + C
+    start_bc: jax.Array  # [B, C] int
+    end_bc: jax.Array  # [B, C] int
+
+
+def ring_positions(last_b: jax.Array, window: int) -> jax.Array:
+    """`[B, W]`: the position held by ring slot i when `last` is the newest position written
+    (the largest p ≤ last with p ≡ i mod W); negative where nothing was written yet."""
+    i = jnp.arange(window)[None, :]
+    return last_b[:, None] - jnp.mod(last_b[:, None] - i, window)
+
+
+def _write_ring(ring: Rows, stored_bcd: Rows, start_b: jax.Array, n_valid_b: jax.Array) -> Rows:
+    """`ring` with the first n_valid of the chunk's stored rows (positions start …) at their slots."""
+    w = jax.tree.leaves(ring)[0].shape[1]
+    c_len = jax.tree.leaves(stored_bcd)[0].shape[1]
+    if c_len == 1:
+        rows = jnp.arange(start_b.shape[0])
+        target_b = jnp.where(n_valid_b > 0, jnp.mod(start_b, w), w)  # out of range: dropped
+        return jax.tree.map(lambda r, new: r.at[rows, target_b].set(new[:, 0], mode="drop"), ring, stored_bcd)
+    # Each slot keeps the newest real position ≡ slot (mod W): from the chunk where that is in it.
+    new_pos_bw = ring_positions(start_b + n_valid_b - 1, w)
+    from_chunk = new_pos_bw >= start_b[:, None]
+    idx = jnp.clip(new_pos_bw - start_b[:, None], 0, c_len - 1)
+    new_rows = jax.tree.map(lambda x: jnp.take_along_axis(x, _along_rows(idx, x), 1), stored_bcd)
+    return jax.tree.map(lambda new, old: jnp.where(_along_rows(from_chunk, old), new, old), new_rows, ring)
+
+
+def write_window(ring: Rows, kv_bcd: jax.Array, start_b: jax.Array, n_valid_b: jax.Array) -> Rows:
+    """`ring [B, W, D]` with the first n_valid of the chunk's rows `kv [B, C, D]` (positions start …)
+    written at slots position % W, in the ring's storage; rows with n_valid = 0 are unchanged."""
+    return _write_ring(ring, as_rows(kv_bcd, ring), start_b, n_valid_b)
+
+
+def extend_window(ring: Rows, kv_bcd: jax.Array, start_b: jax.Array,
+                  n_valid_b: jax.Array) -> tuple[WindowKeys, Rows]:
+    """The chunk's window keys and the ring with its rows written (`write_window`); the chunk's own keys
+    are its rows as the ring stores them.
+
+    C = 1: the keys are the new ring; after the write, slots 0 … min(start + 1, W) − 1 are exactly the
+    window of the query at start. C > 1: the old ring's W rows in position order (positions start − W …
+    start − 1) then the chunk's C; query c sees rows c+1 … c+W, of which ring rows need a position ≥ 0
+    and chunk rows must be real.
+    """
+    w = jax.tree.leaves(ring)[0].shape[1]
+    c_len = kv_bcd.shape[1]
+    stored_bcd = as_rows(kv_bcd, ring)
+    new_ring = _write_ring(ring, stored_bcd, start_b, n_valid_b)
+    if c_len == 1:
+        end_b1 = jnp.minimum(start_b + 1, w)[:, None]
+        return WindowKeys(new_ring, jnp.zeros_like(end_b1), end_b1), new_ring
+    slots_bw = jnp.mod(start_b[:, None] - w + jnp.arange(w)[None, :], w)
+    rows = jax.tree.map(lambda r, new: jnp.concatenate([jnp.take_along_axis(r, _along_rows(slots_bw, r), axis=1),
+                                                        new], axis=1), ring, stored_bcd)
+    c = jnp.arange(c_len)[None, :]
+    start_bc = jnp.maximum(c + 1, w - start_b[:, None])
+    end_bc = jnp.minimum(c + w + 1, w + n_valid_b[:, None])
+    return WindowKeys(rows, start_bc, end_bc), new_ring
+
+
+# -------------------------------------------------------------------- compressor buffers and entries
+
+def num_entries(length, rate: int):
+    """Compressed entries of a slot holding `length` tokens (one per complete window of `rate`); the
+    query at position t sees `num_entries(t + 1, rate)`."""
+    return length // rate
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """K consecutive compression windows of raw projections (no position bias), window k being window
+    `first_b + k` of its slot; those past the slot's real tokens hold filler and are never stored."""
+
+    kv_bkmn: jax.Array  # [B, K, m, n]
+    gate_bkmn: jax.Array  # [B, K, m, n]
+    first_b: jax.Array  # [B] int: start // m
+    prev_kv_bmc: jax.Array | None  # CSA: [B, m, width] Ca kv of window first − 1 (None for HCA)
+    prev_gate_bmc: jax.Array | None  # CSA: [B, m, width] its raw Ca gate
+    has_prev_b: jax.Array  # [B] bool: window first − 1 exists
+
+
+def gather_windows(state: CompressorState, kv_bcn: jax.Array, gate_bcn: jax.Array, start_b: jax.Array) -> Windows:
+    """The buffer's partial window followed by the C chunk rows (positions start …), as the whole windows
+    covering `[first·m, start + C)`, first = start // m, with the CSA overlap of window first − 1."""
+    b, c_len, n = kv_bcn.shape
+    m = state.buffer_kv.shape[1]
+    n_win = -(-(m - 1 + c_len) // m)
+    span = n_win * m
+    first_b = start_b // m
+    off_b = start_b - first_b * m
+    j = jnp.arange(span)[None, :]
+    from_buf = j < off_b[:, None]
+    buf_idx = jnp.minimum(j, m - 1)
+    chunk_idx = jnp.clip(j - off_b[:, None], 0, c_len - 1)
+
+    def aligned(buf_bmn, new_bcn):
+        a = jnp.take_along_axis(buf_bmn, jnp.broadcast_to(buf_idx, (b, span))[..., None], axis=1)
+        c = jnp.take_along_axis(new_bcn, chunk_idx[..., None], axis=1)
+        return jnp.where(from_buf[..., None], a, c.astype(a.dtype))
+
+    kv_bkmn = aligned(state.buffer_kv, kv_bcn).reshape(b, n_win, m, n)
+    gate_bkmn = aligned(state.buffer_gate, gate_bcn).reshape(b, n_win, m, n)
+    return Windows(kv_bkmn, gate_bkmn, first_b, state.overlap_kv, state.overlap_gate, first_b > 0)
+
+
+def _take_window(a_bkmx: jax.Array, k_b: jax.Array) -> jax.Array:
+    """Window k_b[b] of each row: `[B, K, m, x] -> [B, m, x]`."""
+    return jnp.take_along_axis(a_bkmx, k_b[:, None, None, None], axis=1)[:, 0]
+
+
+def store_windows(state: CompressorState, windows: Windows, pooled_bkc: jax.Array,
+                  end_b: jax.Array) -> CompressorState:
+    """`state` after its slot's tokens reach `end` (exclusive): the entries `pooled [B, K, width]` of the
+    windows complete by then written (`write_entries`), the partial window holding `end` kept in the
+    buffer, and (CSA) the last complete window's Ca half kept as the overlap. A row whose `end` is its
+    old length keeps its entries, its overlap and the buffered rows of its tokens (buffer slots past
+    `end` hold whatever the span had there: they are written before they are read)."""
+    n_win, m = windows.kv_bkmn.shape[1:3]
+    first_b = windows.first_b
+    entries = write_entries(state.entries, pooled_bkc, first_b, num_entries(end_b, m) - first_b)
+    w_end_b = end_b // m
+    tail_k = jnp.clip(w_end_b - first_b, 0, n_win - 1)  # window (within the span) holding the new tail
+    new = dataclasses.replace(state, entries=entries, buffer_kv=_take_window(windows.kv_bkmn, tail_k),
+                              buffer_gate=_take_window(windows.gate_bkmn, tail_k))
+    if state.overlap_kv is None:
+        return new
+    last_k = jnp.clip(w_end_b - 1 - first_b, 0, n_win - 1)
+    moved = (w_end_b > first_b)[:, None, None]
+    c = state.overlap_kv.shape[-1]
+    return dataclasses.replace(
+        new, overlap_kv=jnp.where(moved, _take_window(windows.kv_bkmn, last_k)[..., :c], state.overlap_kv),
+        overlap_gate=jnp.where(moved, _take_window(windows.gate_bkmn, last_k)[..., :c], state.overlap_gate))
+
+
+def write_entries(entries: Rows, rows_bkc: jax.Array, first_b: jax.Array, count_b: jax.Array) -> Rows:
+    """The store `entries [B, T, width]` with rows `rows [B, K, width]` k < count[b] written at entry
+    first[b] + k in its storage; the rest (and any past T) are dropped."""
+    b, k = rows_bkc.shape[:2]
+    capacity = jax.tree.leaves(entries)[0].shape[1]
+    index_bk = first_b[:, None] + jnp.arange(k)[None, :]
+    written_bk = (jnp.arange(k)[None, :] < count_b[:, None]) & (index_bk < capacity)
+    target_bk = jnp.where(written_bk, index_bk, capacity)  # out of range: dropped
+    slots = jnp.arange(b)[:, None]
+    return jax.tree.map(lambda e, p: e.at[slots, target_bk].set(p, mode="drop"), entries,
+                        as_rows(rows_bkc, entries))
+
+
+def read_entries(entries: Rows, dtype) -> jax.Array:
+    """Every row of the store `entries [B, T, width]` as `dtype` values; rows past a slot's
+    `num_entries` hold nothing of its tokens, so the reader masks them."""
+    return read_rows(entries, dtype)
+
+
+# -------------------------------------------------------------------------------------------- layout
 
 def _compressor_state(b: int, rate: int, width: int, overlap: bool, max_len: int, dtype, kv_dtype, rope_dim,
                       group=KV_FP8_GROUP) -> CompressorState:
@@ -88,8 +286,7 @@ def layer_cache(cfg: ModelConfig, attention_type: str, num_slots: int, max_len: 
                 kv_dtype: str | None = None) -> LayerCache:
     """One layer's empty cache. `kv_dtype` None keeps rows in `dtype`; "bfloat16", "fp8" or "fp4" as the
     module docstring says."""
-    if kv_dtype not in (None, *KV_DTYPES):
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    check_choice("kv_dtype", kv_dtype, KV_DTYPES, none="dtype")
     rd_window = cfg.rope_for(attention_type).rope_dim(cfg.head_dim)
     rd_entries = cfg.rope_compress.rope_dim(cfg.head_dim)
     window = kv_rows((num_slots, cfg.sliding_window, cfg.head_dim), dtype, kv_dtype, rd_window)

@@ -1,4 +1,5 @@
-"""The cache layout, and chunked prefill through it against one-shot prefill and the no-cache forward."""
+"""The cache layout, its read and write functions, and chunked prefill through it against one-shot
+prefill and the no-cache forward."""
 
 import jax
 import jax.numpy as jnp
@@ -6,12 +7,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dsjax.cache import cache_bytes_per_token, init_cache
+from dsjax.cache import (CompressorState, cache_bytes_per_token, extend_window, gather_windows, init_cache, kv_rows,
+                         num_entries, read_entries, read_rows, ring_positions, store_windows, write_entries,
+                         write_window)
 from dsjax.config import CSA, HCA, SLIDING, ModelConfig
+from dsjax.engine.engine import Engine
 from dsjax.engine.scoring import _score_step, teacher_forced_logprobs
-from dsjax.engine.steps import Engine
 from dsjax.model import DeepseekV4
 from dsjax.quant import PackedKV, pack_kv, ue8m0_to_float
+from dsjax.run_config import RunConfig
 from tests.helpers import assert_close
 
 
@@ -125,4 +129,100 @@ def test_quantized_cache_is_close_to_the_float_cache_and_stays_compiled(load_cas
 
 def test_bad_kv_dtype_is_named(load_case):
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
-        Engine(load_case("mixed"), num_slots=2, max_len=16, kv_dtype="int8")
+        init_cache(load_case("mixed"), 2, 16, kv_dtype="int8")
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        Engine(load_case("mixed"), RunConfig(slots=2, max_len=16, kv_dtype="int8"))
+
+
+def _positions_as_rows(positions_bc, width=4):
+    """Rows whose every channel is their position (exact in any float storage), `[B, C, width]`."""
+    return jnp.broadcast_to(jnp.asarray(positions_bc, jnp.float32)[..., None], (*np.shape(positions_bc), width))
+
+
+def _ring_after(lengths, window=4, width=4):
+    """A ring holding, per slot, the positions 0 … length−1 written one decode step at a time."""
+    ring = jnp.full((len(lengths), window, width), -1.0)
+    for p in range(max(lengths)):
+        n_valid = jnp.asarray([int(p < n) for n in lengths])
+        ring = write_window(ring, _positions_as_rows([[p]] * len(lengths), width), jnp.full(len(lengths), p),
+                            n_valid)
+    return ring
+
+
+def test_ring_positions_and_window_writes_wrap():
+    np.testing.assert_array_equal(np.asarray(ring_positions(jnp.asarray([5, 2, -1]), 4)),
+                                  [[4, 5, 2, 3], [0, 1, 2, -1], [-4, -3, -2, -1]])
+    ring = _ring_after([7, 2])
+    np.testing.assert_array_equal(np.asarray(ring[..., 0]), [[4, 5, 6, 3], [0, 1, -1, -1]])
+    # A chunk of 6 after 7 tokens (5 real) wraps past the ring's end more than once; a row with n_valid 0
+    # keeps its ring. Each slot ends with the newest real position ≡ slot (mod 4).
+    start, n_valid = jnp.asarray([7, 2]), jnp.asarray([5, 0])
+    chunk = _positions_as_rows(np.asarray(start)[:, None] + np.arange(6))
+    got = write_window(ring, chunk, start, n_valid)
+    np.testing.assert_array_equal(np.asarray(got[..., 0]), [[8, 9, 10, 11], [0, 1, -1, -1]])
+    assert got.dtype == ring.dtype
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 6])
+def test_extend_window_shows_each_query_its_window(chunk):
+    """Query q sees exactly the real positions q − W < k ≤ q, and the returned ring is `write_window`'s."""
+    w, lengths, n_valid = 4, [0, 2, 9], np.asarray([chunk, min(chunk, 1), 0])
+    ring = _ring_after(lengths, w)
+    start = jnp.asarray(lengths)
+    chunk_rows = _positions_as_rows(np.asarray(lengths)[:, None] + np.arange(chunk))
+    keys, new_ring = extend_window(ring, chunk_rows, start, jnp.asarray(n_valid))
+    np.testing.assert_array_equal(np.asarray(new_ring), np.asarray(write_window(ring, chunk_rows, start,
+                                                                                 jnp.asarray(n_valid))))
+    rows = np.asarray(keys.rows[..., 0])
+    for b, (first, n) in enumerate(zip(lengths, n_valid)):
+        for c in range(n):
+            q = first + c
+            seen = rows[b, int(keys.start_bc[b, c]):int(keys.end_bc[b, c])]
+            assert sorted(seen.tolist()) == list(range(max(0, q - w + 1), q + 1)), (b, c)
+
+
+def test_buffer_append_gives_the_completed_windows():
+    """m = 4, CSA overlap: a slot holding 6 tokens takes 5 more (positions 6 … 10): the span is windows 1
+    and 2 (positions 4 … 11), window 1 completes and is written, window 2 stays in the buffer."""
+    m, c = 4, 2
+    buffered = jnp.asarray([[4.0, 5, 0, 0]] * 2)[..., None] * jnp.ones(2 * c)  # positions 4, 5 at slots 0, 1
+    state = CompressorState(buffer_kv=buffered, buffer_gate=-buffered, entries=jnp.zeros((2, 4, c)),
+                            overlap_kv=jnp.full((2, m, c), -1.0), overlap_gate=jnp.full((2, m, c), -2.0))
+    start, n_valid = jnp.asarray([6, 6]), jnp.asarray([5, 0])
+    kv = _positions_as_rows(6 + np.arange(5)[None].repeat(2, 0), 2 * c)
+    windows = gather_windows(state, kv, -kv, start)
+    assert windows.kv_bkmn.shape == (2, 2, m, 2 * c)
+    np.testing.assert_array_equal(np.asarray(windows.first_b), [1, 1])
+    np.testing.assert_array_equal(np.asarray(windows.kv_bkmn[0, :, :, 0]).ravel()[:7], np.arange(4, 11))
+    np.testing.assert_array_equal(np.asarray(windows.gate_bkmn[0, 0, :, 0]), [-4, -5, -6, -7])
+    np.testing.assert_array_equal(np.asarray(windows.has_prev_b), [True, True])
+    assert windows.prev_kv_bmc is state.overlap_kv
+
+    pooled = jnp.asarray([[10.0, 20.0]] * 2)[..., None] * jnp.ones(c)  # window 1 → 10, window 2 → 20
+    new = store_windows(state, windows, pooled, start + n_valid)
+    np.testing.assert_array_equal(np.asarray(new.entries[..., 0]), [[0, 10, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(new.buffer_kv[0, :3, 0]), [8, 9, 10])
+    np.testing.assert_array_equal(np.asarray(new.buffer_kv[1, :2]), np.asarray(state.buffer_kv[1, :2]))
+    # The overlap becomes window 1's Ca half (its first c channels) where it completed.
+    np.testing.assert_array_equal(np.asarray(new.overlap_kv[0, :, 0]), [4, 5, 6, 7])
+    np.testing.assert_array_equal(np.asarray(new.overlap_gate[0, :, 0]), [-4, -5, -6, -7])
+    np.testing.assert_array_equal(np.asarray(new.overlap_kv[1]), np.asarray(state.overlap_kv[1]))
+    assert num_entries(11, m) == 2 and num_entries(6, m) == 1
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8", "fp4"])
+def test_write_entries_lands_rows_in_the_stores_storage(kv_dtype):
+    """Rows k < count go to entry first + k, packed as the store packs; rows past the store are dropped."""
+    width, rd = 96, 32
+    entries = kv_rows((2, 6, width), jnp.float32, kv_dtype, rd)
+    rows_bkc = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, width)), jnp.float32)
+    got = write_entries(entries, rows_bkc, jnp.asarray([1, 4]), jnp.asarray([2, 3]))
+    assert type(got) is type(entries)
+    packed = None if kv_dtype is None else pack_kv(rows_bkc, kv_dtype, rd)
+    stored = np.asarray(rows_bkc if packed is None else read_rows(packed, jnp.float32))
+    want = np.zeros((2, 6, width), np.float32)
+    want[0, 1:3], want[1, 4:6] = stored[0, :2], stored[1, :2]
+    np.testing.assert_array_equal(np.asarray(read_entries(got, jnp.float32)), want)
+    if packed is not None:
+        np.testing.assert_array_equal(np.asarray(got.codes[1, 4:6]).view(np.uint8),
+                                      np.asarray(packed.codes[1, :2]).view(np.uint8))

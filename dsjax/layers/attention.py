@@ -8,13 +8,16 @@ back by the query position before the grouped output projection.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.cache import LayerCache, as_rows
+from dsjax.cache import LayerCache, extend_window
 from dsjax.config import CSA, HCA, SLIDING, ModelConfig
 from dsjax.kernels.sparse_attention.op import sparse_decode, sparse_prefill
+from dsjax.layers.compression import Selection
 from dsjax.layers.compressor import CSACompressor, HCACompressor
 from dsjax.layers.linear import GroupedLinear, Linear
 from dsjax.layers.norms import RMSNorm, unweighted_rms_norm
@@ -50,6 +53,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, attention_type: str, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
         self.attention_type = attention_type
+        self.kernels = "auto"  # a run option (`dsjax.model.with_kernels`)
         nh, d = cfg.num_attention_heads, cfg.head_dim
         q = cfg.quantization
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, rngs=rngs, dtype=dtype, quant=q)
@@ -96,56 +100,33 @@ class Attention(nnx.Module):
         o_bshd = attend_with_sinks(q_bshd, kv_bsd, visible_bsk, self.sinks[...], cfg.head_dim ** -0.5)
         return self.project_out(o_bshd, cos_h, sin_h)
 
-    def extend(self, x_bch: jax.Array, start_b: jax.Array, n_valid_b: jax.Array, cache: LayerCache):
+    def extend(self, x_bch: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
+               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
         """Cached attention for C new tokens per row at positions start…start+C−1 (the first n_valid
         real) through the sparse attention operations (`kernels.sparse_attention`): keys are the window
-        ring, the chunk itself and the compressed entries, all as the cache stores them (the chunk's
-        own rows pass through the cache's storage first). Rows with n_valid = 0 leave the cache unchanged."""
+        (`cache.extend_window`: the ring and the chunk itself) and the compressed entries the compressor's
+        `Selection` names, all as the cache stores them. Rows with n_valid = 0 leave the cache unchanged."""
         cfg = self.cfg
-        w = cfg.sliding_window
         c_len = x_bch.shape[1]
         positions_bc = start_b[:, None] + jnp.arange(c_len)[None, :]
         cos_h, sin_h, q_res_bcr, q_bchd, kv_bcd = self._project_in(x_bch, positions_bc)
-        entries, selection, states = None, {}, {}
+        entries, selection = None, Selection()
         if self.compressor is not None:
-            entries, selection, states = self.compressor.sparse(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b,
-                                                                cache)
+            entries, selection, cache = self.compressor.extend(x_bch, q_res_bcr, positions_bc, start_b, n_valid_b,
+                                                               cache)
+        keys, window = extend_window(cache.window, kv_bcd, start_b, n_valid_b)
         scale = cfg.head_dim ** -0.5
         if c_len == 1:
-            rows = jnp.arange(x_bch.shape[0])
-            target_b = jnp.where(n_valid_b > 0, jnp.mod(start_b, w), w)  # out of range: dropped
-            ring = jax.tree.map(lambda r, new: r.at[rows, target_b].set(new[:, 0], mode="drop"), cache.window,
-                                as_rows(kv_bcd, cache.window))
-            # The ring holds positions ≡ slot (mod W); after this write, slots 0 … min(start + 1, W) − 1 are
-            # exactly the window q − W < k ≤ q of the query at q = start.
-            one = {f"{k}_b" if k == "entries_len" else "idx_bk": v[:, 0] for k, v in selection.items()}
-            o_bhd = sparse_decode(q_bchd[:, 0], ring, jnp.minimum(start_b + 1, w), entries, self.sinks[...], scale,
-                                  **one, kernels=cfg.kernels)
-            return self.project_out(o_bhd[:, None], cos_h, sin_h), LayerCache(ring, **states)
-
-        # Window rows in position order: the ring's W rows (positions start−W … start−1) then the chunk's.
-        # Query c (position start + c) sees rows c+1 … c+W, of which ring rows need a position ≥ 0 and
-        # chunk rows must be real.
-        ring_slots_bw = jnp.mod(start_b[:, None] - w + jnp.arange(w)[None, :], w)
-        chunk_rows = as_rows(kv_bcd, cache.window)
-        window = jax.tree.map(lambda r, new: jnp.concatenate([jnp.take_along_axis(
-            r, ring_slots_bw.reshape(ring_slots_bw.shape + (1,) * (r.ndim - 2)), axis=1), new], axis=1),
-            cache.window, chunk_rows)
-        c = jnp.arange(c_len)[None, :]
-        window_start_bc = jnp.maximum(c + 1, w - start_b[:, None])
-        window_end_bc = jnp.minimum(c + w + 1, w + n_valid_b[:, None])
-        picks = {f"{k}_bc" if k == "entries_len" else "idx_bck": v for k, v in selection.items()}
-        o_bchd = sparse_prefill(q_bchd, window, window_start_bc, window_end_bc, entries, self.sinks[...], scale,
-                                **picks, kernels=cfg.kernels)
-        # The ring keeps, for each slot i, the newest real position ≡ i (mod W).
-        new_pos_bw = _ring_positions(start_b + n_valid_b - 1, w)
-        from_chunk = new_pos_bw >= start_b[:, None]
-        idx = jnp.clip(new_pos_bw - start_b[:, None], 0, c_len - 1)
-        new_rows = jax.tree.map(lambda x: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), 1),
-                                chunk_rows)
-        ring = jax.tree.map(lambda new, old: jnp.where(from_chunk.reshape(from_chunk.shape + (1,) * (old.ndim - 2)),
-                                                       new, old), new_rows, cache.window)
-        return self.project_out(o_bchd, cos_h, sin_h), LayerCache(ring, **states)
+            # One query per row: its keys are ring rows 0 … end − 1.
+            o_bhd = sparse_decode(q_bchd[:, 0], keys.rows, keys.end_bc[:, 0], entries, self.sinks[...], scale,
+                                  entries_len_b=selection.entries_len_b, idx_bk=selection.idx_bk,
+                                  kernels=self.kernels)
+            o_bchd = o_bhd[:, None]
+        else:
+            o_bchd = sparse_prefill(q_bchd, keys.rows, keys.start_bc, keys.end_bc, entries, self.sinks[...], scale,
+                                    entries_len_bc=selection.entries_len_bc, idx_bck=selection.idx_bck,
+                                    kernels=self.kernels)
+        return self.project_out(o_bchd, cos_h, sin_h), dataclasses.replace(cache, window=window)
 
     def project_out(self, o_bshd, cos_h, sin_h) -> jax.Array:
         """De-rotate the rope slice at the query position, then the grouped low-rank output projection."""
@@ -154,9 +135,3 @@ class Attention(nnx.Module):
         o_bsgi = o_bshd.reshape(b, s, self.cfg.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(o_bsgi).reshape(b, s, -1))
 
-
-def _ring_positions(last_b: jax.Array, window: int) -> jax.Array:
-    """`[B, W]`: the position held by ring slot i when `last` is the newest position written
-    (the largest p ≤ last with p ≡ i mod W); negative where nothing was written yet."""
-    i = jnp.arange(window)[None, :]
-    return last_b[:, None] - jnp.mod(last_b[:, None] - i, window)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsjax.cache import LayerCache
 from dsjax.config import ModelConfig
 from dsjax.layers.attention import Attention
 from dsjax.layers.mhc import HyperConnection, mix_streams
@@ -37,7 +38,8 @@ class DecoderLayer(nnx.Module):
             record["ffn_hc_comb"] = comb
         return mix_streams(post, comb, f_bsh, h_bsnh)
 
-    def extend(self, h_bcnh, token_ids_bc, start_b, n_valid_b, cache):
+    def extend(self, h_bcnh: jax.Array, token_ids_bc: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
+               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
         """The cached form for a chunk of C tokens per row; returns the new streams and layer cache."""
         post, comb, collapsed = self.attn_hc(h_bcnh)
         # Named scopes label the step's kernels for `dsjax bench`'s per-part split (profiler trace).

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.cache import read_rows
+from dsjax.cache import CompressorState, num_entries, read_entries
 from dsjax.config import ModelConfig
 from dsjax.kernels.indexer.op import index_scores
-from dsjax.layers.compressor import Compressor, entry_visible
+from dsjax.layers.compression import Compressor, Selection, entry_visible
 from dsjax.layers.linear import Linear
 from dsjax.layers.rope import apply_rope, rope_table
 from dsjax.numerics import einsum
@@ -35,6 +35,7 @@ class Indexer(Compressor):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         super().__init__(cfg, cfg.index_head_dim, cfg.compress_rate_csa, overlap=True, rngs=rngs, dtype=dtype)
+        self.kernels = "auto"  # a run option (`dsjax.model.with_kernels`)
         # FP8 like the attention's own projections; the compressor's and weights_proj stay unquantized.
         self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, rngs=rngs, dtype=dtype,
                                quant=cfg.quantization)
@@ -56,25 +57,27 @@ class Indexer(Compressor):
         """`[B,S,T]` bool: the ≤ index_topk visible entries with the highest scores, per query."""
         return self.select(*self.scores(x_bsh, q_res_bsr, positions_bs))
 
-    def picks(self, x_bch, q_res_bcr, positions_bc, start_b, n_valid_b, state):
+    def extend(self, x_bch: jax.Array, q_res_bcr: jax.Array, positions_bc: jax.Array, start_b: jax.Array,
+               n_valid_b: jax.Array, state: CompressorState) -> tuple[Selection, CompressorState]:
         """Cached form for the sparse attention operations: each query's top `min(index_topk, T)` visible
-        entries as indices `[B, C, k]` (−1 where fewer are visible, as the reference turns them), and the
-        new key state. One token per slot (decode) scores through `kernels.indexer.index_scores` over
-        the keys in their storage; a chunk scores with XLA (no prefill indexer kernel yet)."""
-        keys, state = self.append(x_bch, state, start_b, n_valid_b)
+        entries as `Selection.idx_bck [B, C, k]` (−1 where fewer are visible, as the reference turns
+        them), and the new key state. One token per slot (decode) scores through
+        `kernels.indexer.index_scores` over the keys in their storage; a chunk scores with XLA (no
+        prefill indexer kernel yet)."""
+        state = self.compress_into(x_bch, state, start_b, n_valid_b)
         b, c, _ = x_bch.shape
         if c == 1:
             q_b1hc = self.q_b_proj(q_res_bcr).reshape(b, 1, self.cfg.index_n_heads, self.width)
             cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bc, q_b1hc.dtype)
             q_bhc = apply_rope(q_b1hc, cos[:, :, None], sin[:, :, None])[:, 0]
             w_bh = self.scorer.weights_proj(x_bch)[:, 0].astype(jnp.float32) * (self.cfg.index_n_heads ** -0.5)
-            score_bct = index_scores(q_bhc, w_bh, keys, (positions_bc[:, 0] + 1) // self.rate, self.width ** -0.5,
-                                     kernels=self.cfg.kernels)[:, None]
+            score_bct = index_scores(q_bhc, w_bh, state.entries, num_entries(positions_bc[:, 0] + 1, self.rate),
+                                     self.width ** -0.5, kernels=self.kernels)[:, None]
         else:
-            score_bct, _ = self.scores(x_bch, q_res_bcr, positions_bc, read_rows(keys, x_bch.dtype))
+            score_bct, _ = self.scores(x_bch, q_res_bcr, positions_bc, read_entries(state.entries, x_bch.dtype))
         k = min(self.cfg.index_topk, score_bct.shape[-1])
         top_score, top = jax.lax.top_k(score_bct, k)
-        return jnp.where(top_score > -jnp.inf, top, -1).astype(jnp.int32), state
+        return Selection(idx_bck=jnp.where(top_score > -jnp.inf, top, -1).astype(jnp.int32)), state
 
     def distillation_loss(self, x_bsh, q_res_bsr, positions_bs, q_bshd, entries_btd, scale: float) -> jax.Array:
         """The indexer's training objective (DeepSeek-V3.2's DSA): KL(target ‖ softmax(index scores)) over
