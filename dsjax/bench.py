@@ -27,34 +27,34 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import layer_cache
-from dsjax.engine.programs import program_store
 from dsjax.config import CSA, HCA, ModelConfig
+from dsjax.engine import scheduler
+from dsjax.engine.aot import stored_config
+from dsjax.engine.engine import Engine
+from dsjax.engine.programs import program_store
 from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
-from dsjax.engine.scheduler import Request, run
-from dsjax.engine.steps import Engine, prefill_rows
+from dsjax.engine.slots import prefill_rows
 from dsjax.info import component
 from dsjax.model import DeepseekV4
-from dsjax.quantize import V4_QUANT
+from dsjax.run_config import RunConfig
 
 PARTS = ("attention", "indexer", "moe", "collectives", "rest")
 # Collectives by HLO instruction (all-to-all.3, all-gather-start.1, ...); NCCL's kernels by name.
 _COLLECTIVE = re.compile(r"(?:ragged[-_])?(?:all[-_]to[-_]all|all[-_]gather|all[-_]reduce|reduce[-_]scatter|"
                          r"collective[-_]permute)")
-WEIGHTS = ("bf16", "fp8")
 
 
 def bench_config(preset: str, layers: int | None = None, weights: str = "bf16") -> ModelConfig:
-    """The preset's config, cut to its first `layers` decoder layers; `weights` "fp8" stores it as
-    DeepSeek releases it (FP8 blocks, FP4 routed experts), "bf16" as float weights."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    """The preset's config, cut to its first `layers` decoder layers; `weights` (`run_config.WEIGHTS`)
+    "keep" stores it as DeepSeek releases it (FP8 blocks, FP4 routed experts), "bf16" as float weights."""
+    weights = RunConfig(weights=weights).weights  # checked, and "fp8" read as "keep" with a warning
     cfg = ModelConfig.preset(preset)
     if layers is not None:
         if not 1 <= layers <= cfg.num_hidden_layers:
             raise ValueError(f"--layers must be between 1 and the preset's {cfg.num_hidden_layers}, got {layers}")
         cfg = cfg.replace(num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
                           mlp_layer_types=cfg.mlp_layer_types[:layers])
-    return cfg.replace(quantization=V4_QUANT if weights == "fp8" else None)
+    return stored_config(cfg, weights)
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> DeepseekV4:
@@ -290,14 +290,14 @@ def attribute_trace(trace_dir: str, hlo_text: str, steps: int) -> dict:
             | {"top_kernels": {k: v / per for k, v in top}, "devices": len(busy_pids)})
 
 
-def _requests(cfg: ModelConfig, batch: int, prompt_len: int, gen_len: int, seed: int) -> list[Request]:
+def _requests(cfg: ModelConfig, batch: int, prompt_len: int, gen_len: int, seed: int) -> list[scheduler.Request]:
     rng = np.random.default_rng(seed)
     sp = SamplingParams(temperature=0.0, max_tokens=gen_len)
-    return [Request(i, tuple(int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)), sp, i, frozenset())
-            for i in range(batch)]
+    return [scheduler.Request(i, tuple(int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)), sp, i,
+                              frozenset()) for i in range(batch)]
 
 
-def _timed_run(engine: Engine, requests: list[Request]) -> tuple[float, float, int]:
+def _timed_run(engine: Engine, requests: list[scheduler.Request]) -> tuple[float, float, int]:
     """(seconds to the first token of every request, seconds of the decode steps after it, decode
     steps) of one scheduler run: all requests share one prefill (the engine has a slot each)."""
     n = len(requests)
@@ -305,7 +305,7 @@ def _timed_run(engine: Engine, requests: list[Request]) -> tuple[float, float, i
     t_first = None
     seen = 0
     steps = 0
-    for ev in run(engine, requests):
+    for ev in scheduler.run(engine, requests):
         seen += 1
         if seen == n:
             t_first = time.perf_counter()
@@ -321,30 +321,30 @@ def peak_memory(devices: Sequence[jax.Device] | None = None) -> list[int | None]
     return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in (devices or jax.devices()[:1])]
 
 
-def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, kv_dtype: str | None = None,
-              chunk_size: int = 256, rates: DeviceRates | None = None, breakdown: bool = True,
-              seed: int = 0, trace_dir: str | None = None, mesh: jax.sharding.Mesh | None = None) -> dict:
+def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, run: RunConfig,
+              rates: DeviceRates | None = None, breakdown: bool = True, seed: int = 0, trace_dir: str | None = None,
+              mesh: jax.sharding.Mesh | None = None) -> dict:
     """Prefill `batch` random prompts of `prompt_len` tokens and generate `gen_len` tokens each, greedily
-    and without stop tokens, through the scheduler; the same once before to compile. Raises
-    RuntimeError if the measured run compiled anything. With `mesh` (the model's variables placed on it,
-    `parallel.shard_model` or `load_model(..., mesh=)`), the engine runs under it: `batch` sequences
-    over the whole mesh, peak memory per device, the per-part split per device; no roofline past one
-    device (it counts the whole model's bytes)."""
+    and without stop tokens, through the scheduler; the same once before to compile. The engine runs as
+    `run` says, with `batch` slots of exactly `prompt_len + gen_len` tokens (`run.slots` and `run.max_len`
+    are replaced). Raises RuntimeError if the measured run compiled anything. With `mesh` (the model's
+    variables placed on it, `parallel.shard_model` or `load_model(..., mesh=)`), the engine runs under it:
+    `batch` sequences over the whole mesh, peak memory per device, the per-part split per device; no
+    roofline past one device (it counts the whole model's bytes)."""
     if batch < 1 or prompt_len < 1 or gen_len < 2:
         raise ValueError(f"batch and prompt_len must be positive and gen_len at least 2, got {batch}, "
                          f"{prompt_len}, {gen_len}")
     if mesh is not None:
         with jax.set_mesh(mesh):
-            row = run_bench(model, batch, prompt_len, gen_len, kv_dtype=kv_dtype, chunk_size=chunk_size,
-                            rates=rates if mesh.size == 1 else None, breakdown=breakdown, seed=seed,
-                            trace_dir=trace_dir)
+            row = run_bench(model, batch, prompt_len, gen_len, run=run, rates=rates if mesh.size == 1 else None,
+                            breakdown=breakdown, seed=seed, trace_dir=trace_dir)
         peaks = peak_memory(mesh.devices.flat)
         known = [p for p in peaks if p is not None]
         return row | {"mesh": dict(mesh.shape), "peak_memory_bytes": max(known) if known else None,
                       "peak_memory_bytes_per_device": peaks}
     cfg = model.cfg
-    engine = Engine(model, num_slots=batch, max_len=prompt_len + gen_len, chunk_size=chunk_size,
-                    kv_dtype=kv_dtype, programs=program_store())
+    run = run.replace(slots=batch, max_len=prompt_len + gen_len)
+    engine = Engine(model, run, programs=program_store())
     requests = _requests(cfg, batch, prompt_len, gen_len, seed)
     # Every program the run takes, in parallel (all requests start together: one prefill size).
     engine.precompile(modes=[SamplingModes.of([requests[0].sampling])], buckets=[prefill_rows(batch, batch)])
@@ -355,14 +355,14 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, k
     if Engine.compilations() != compiled:
         raise RuntimeError(f"the measured run compiled {Engine.compilations() - compiled} more programs after "
                            "warm-up: a step's shapes changed")
-    out = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "kv_dtype": kv_dtype or "bfloat16",
-           "weights": "bf16" if cfg.quantization is None else "fp8",
+    out = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "kv_dtype": run.kv_dtype or "bfloat16",
+           "weights": "bf16" if cfg.quantization is None else "keep",
            "prefill_s": prefill_s, "prefill_tokens_per_s": batch * prompt_len / prefill_s,
            "decode_step_s": decode_s / steps, "decode_tokens_per_s_per_seq": steps / decode_s,
            "decode_tokens_per_s": batch * steps / decode_s, "decode_steps": steps,
            "peak_memory_bytes": peak_memory()[0], "compilations_after_warmup": 0}
     if rates is not None:
-        roof = roofline(model, batch, prompt_len, gen_len, rates, kv_dtype)
+        roof = roofline(model, batch, prompt_len, gen_len, rates, run.kv_dtype)
         out |= {f"roofline_{k}": v for k, v in roof.items()}
         out["decode_of_roofline"] = roof["decode_step_s"] / out["decode_step_s"]
         out["prefill_of_roofline"] = roof["prefill_s"] / prefill_s
@@ -438,12 +438,12 @@ def format_report(row: dict) -> str:
     return "\n".join(lines)
 
 
-def bench(model: DeepseekV4, batches: Sequence[int], prompt_len: int, gen_len: int, *,
-          kv_dtype: str | None = None, chunk_size: int = 256, breakdown: bool = True,
-          rates: DeviceRates | None = None, seed: int = 0, trace_dir: str | None = None,
+def bench(model: DeepseekV4, batches: Sequence[int], prompt_len: int, gen_len: int, *, run: RunConfig,
+          breakdown: bool = True, rates: DeviceRates | None = None, seed: int = 0, trace_dir: str | None = None,
           mesh: jax.sharding.Mesh | None = None, emit=print) -> list[dict]:
-    """`run_bench` for each batch size on one model (on `mesh`, if given); `emit` receives each row as it
-    is made; `trace_dir/batch<B>` keeps each breakdown's profiler trace."""
+    """`run_bench` for each batch size on one model (on `mesh`, if given), as `run` says with that many
+    slots; `emit` receives each row as it is made; `trace_dir/batch<B>` keeps each breakdown's profiler
+    trace."""
     cfg = model.cfg
     if prompt_len + gen_len > cfg.max_position_embeddings:
         raise ValueError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "
@@ -452,7 +452,7 @@ def bench(model: DeepseekV4, batches: Sequence[int], prompt_len: int, gen_len: i
         rates = measure_rates()
     rows = []
     for b in batches:
-        row = run_bench(model, b, prompt_len, gen_len, kv_dtype=kv_dtype, chunk_size=chunk_size, rates=rates,
+        row = run_bench(model, b, prompt_len, gen_len, run=run.replace(slots=b), rates=rates,
                         breakdown=breakdown, seed=seed, mesh=mesh,
                         trace_dir=os.path.join(trace_dir, f"batch{b}") if trace_dir else None)
         row |= {"layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind}

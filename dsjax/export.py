@@ -2,10 +2,10 @@
 and the loader that calls them again.
 
 `export_steps` builds the model abstractly (no weights are read or allocated, so a 500B preset exports on
-a CPU machine) through the same machinery as `dsjax plan` (`dsjax.plan.abstract_steps`), traces the
-engine's own steps with their sampler (`dsjax.engine.steps.prefill_step` and `decode_step`) for `slots` sequences of
-`max_len` tokens and prefill chunks of `prefill_rows` × `chunk_size` tokens, lowers them for one platform
-with `jax.export.export` and writes into DIR:
+a CPU machine) through the same machinery as `dsjax plan` (`dsjax.engine.aot.abstract_steps`), traces the
+engine's own steps with their sampler (`dsjax.engine.steps.prefill_step` and `decode_step`) for
+`RunConfig.slots` sequences of `max_len` tokens and prefill chunks of `prefill_rows` × `chunk_size` tokens,
+lowers them for one platform with `jax.export.export` and writes into DIR:
 
 - `prefill.stablehlo`, `decode.stablehlo`: `Exported.serialize()` of each step;
 - `manifest.json`: the preset or model, its config (`ModelConfig.to_hf()`, with the weight storage
@@ -38,11 +38,11 @@ Loading (here, with a real model and cache):
     from dsjax.export import load_steps
 
     steps = load_steps("DIR")                       # deserializes both, checks the files' hashes
-    # the exported model, weights stored as exported: --weights fp8 keeps a release checkpoint's FP8/FP4
+    # the exported model, weights stored as exported: --weights keep keeps a release checkpoint's FP8/FP4
     # (load_model's default weights="keep"), --weights bf16 wants float weights (weights="bf16"), in --dtype
     model = dsjax.load_model("path/to/checkpoint", dtype=jnp.bfloat16)
     graphdef, params = nnx.split(model)
-    cache = steps.new_cache()                       # or Engine(model, slots, max_len, ...).new_cache()
+    cache = steps.new_cache()                       # or dsjax.Engine(model, RunConfig(...)).new_cache()
     sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * n, seeds)   # n = rows of the step
     cache, sampled = steps.prefill(params, cache, tokens, slots, start, n_valid, sampling)
     cache, sampled = steps.decode(params, cache, last_tokens, active, sampling)
@@ -78,11 +78,13 @@ import time
 import uuid
 from pathlib import Path
 
+from dsjax.kernels.devices import core_count
+from dsjax.run_config import RunConfig
+
 FORMAT = "dsjax-export/1"
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 STEP_FILES = {"prefill": "prefill.stablehlo", "decode": "decode.stablehlo"}
 MANIFEST = "manifest.json"
-DTYPES = ("bfloat16", "float32")
 ARGS = {"decode": ("params", "cache", "last_tokens", "active", "sampling"),
         "prefill": ("params", "cache", "tokens", "slots", "start", "n_valid", "sampling")}
 
@@ -101,20 +103,18 @@ ALLOWED_CUSTOM_CALLS = {
 # The accelerator each platform's programs are lowered for by default (`device_kind`, as jax's devices
 # name it): Pallas kernels are generated for one GPU or TPU generation (Triton's lowering reads the GPU's
 # compute capability, Mosaic the TPU's version and cores), and this host need not have one. The kinds
-# jax's Pallas lowerings recognise; `num_cores` (streaming multiprocessors, TensorCores per chip) for
-# those listed in `NUM_CORES`.
+# jax's Pallas lowerings recognise; `num_cores` (streaming multiprocessors, TensorCores per chip) from
+# `kernels.devices` for the kinds it lists.
 DEVICE_KINDS = {"cpu": "cpu", "cuda": "NVIDIA H200", "rocm": "gfx942", "tpu": "TPU v6 lite"}
-NUM_CORES = {"NVIDIA H100": 132, "NVIDIA H200": 132, "NVIDIA B200": 148, "NVIDIA A100": 108, "gfx942": 304,
-             "TPU v4": 2, "TPU v5": 2, "TPU v5p": 2, "TPU v5 lite": 1, "TPU v6 lite": 1}
 
 
 def abstract_device(platform: str, device_kind: str | None = None):
     """The `jax.sharding.AbstractDevice` that `platform`'s programs are lowered for: `device_kind` (default
-    `DEVICE_KINDS[platform]`) with its `NUM_CORES` (None if unlisted)."""
+    `DEVICE_KINDS[platform]`) with its core count (`kernels.devices.core_count`: None if unlisted)."""
     import jax
 
     kind = device_kind or DEVICE_KINDS[_platform(platform)]
-    return jax.sharding.AbstractDevice(device_kind=kind, num_cores=NUM_CORES.get(kind),
+    return jax.sharding.AbstractDevice(device_kind=kind, num_cores=core_count(kind),
                                        platform={"cuda": "gpu", "rocm": "gpu"}.get(platform, platform))
 
 
@@ -148,39 +148,32 @@ def check_out_dir(out: str | os.PathLike, force: bool = False) -> Path:
     return out
 
 
-def export_steps(cfg, platform: str, out: str | os.PathLike, *, slots: int = 8, max_len: int = 4096,
-                 chunk_size: int = 256, prefill_rows: int | None = None, weights: str = "fp8",
-                 dtype: str = "bfloat16", kv_dtype: str | None = None, mesh: str | dict | None = None,
+def export_steps(cfg, platform: str, out: str | os.PathLike, run: RunConfig, *, prefill_rows: int | None = None,
                  device_kind: str | None = None, model_name: str | None = None, force: bool = False) -> dict:
-    """Export the engine's prefill-chunk and decode steps of a `cfg` model for `platform` into the folder
-    `out` (see the module docstring) and return the manifest.
+    """Export the engine's prefill-chunk and decode steps of a `cfg` model run as `run` says for `platform`
+    into the folder `out` (see the module docstring) and return the manifest.
 
-    `weights` "fp8" stores the weights as DeepSeek's release does (FP8 blocks, FP4 routed experts, or the
-    config's own quantization), "bf16" as floats in `dtype` ("bfloat16" or "float32", also the activations'
-    and the cache's float dtype); `kv_dtype` ("bfloat16", "fp8", "fp4"; None: `dtype`) stores the cache's
-    K=V rows. `prefill_rows` (default: `slots`) is the prefill chunk's row count. `mesh` (e.g. "ep=8")
-    exports the SPMD program for that mesh, every input laid out as `dsjax plan` lays it out (on an
-    abstract mesh: no devices needed); None exports the one-device program. `device_kind` names the GPU or
-    TPU the Pallas kernels are lowered for (default `DEVICE_KINDS[platform]`). `out` must not exist, be
-    an empty folder, or with `force` an earlier export; it appears complete or not at all (written into a
-    temporary folder beside it, then renamed). Bad input raises ValueError before anything is traced."""
+    `run.weights` "keep" stores the weights as DeepSeek's release does (FP8 blocks, FP4 routed experts, or
+    the config's own quantization), "bf16" as floats in `run.dtype` (also the activations' and the cache's
+    float dtype); `run.kv_dtype` (None: `run.dtype`) stores the cache's K=V rows. `prefill_rows` (default:
+    `run.slots`) is the prefill chunk's row count. `run.mesh` (e.g. "ep=8") exports the SPMD program for
+    that mesh, every input laid out as `dsjax plan` lays it out (on an abstract mesh: no devices needed);
+    None exports the one-device program. `device_kind` names the GPU or TPU the Pallas kernels are lowered
+    for (default `DEVICE_KINDS[platform]`). `out` must not exist, be an empty folder, or with `force` an
+    earlier export; it appears complete or not at all (written into a temporary folder beside it, then
+    renamed). Bad input raises ValueError before anything is traced."""
     import jax
     import jax.numpy as jnp
 
     from dsjax.engine import steps
-    from dsjax.plan import WEIGHTS, abstract_steps
+    from dsjax.engine.aot import abstract_steps
 
     platform = _platform(platform)
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out = check_out_dir(out, force)
     t0 = time.perf_counter()
     # One CPU device needs no abstract device: the program is then lowered exactly as an engine's is.
-    device = None if platform == "cpu" and mesh is None else abstract_device(platform, device_kind)
-    a = abstract_steps(cfg, mesh, max_len, slots, weights=weights, kv_dtype=kv_dtype, chunk_size=chunk_size,
-                       prefill_rows=prefill_rows, dtype=jnp.dtype(dtype), abstract_device=device)
+    device = None if platform == "cpu" and run.mesh is None else abstract_device(platform, device_kind)
+    a = abstract_steps(cfg, run, prefill_rows=prefill_rows, abstract_device=device)
     params_leaves, params_def = jax.tree.flatten(a.params)
     cache_leaves, cache_def = jax.tree.flatten(a.cache)
     blobs, described = {}, {}
@@ -194,19 +187,18 @@ def export_steps(cfg, platform: str, out: str | os.PathLike, *, slots: int = 8, 
             blobs[name] = bytes(exported.serialize())
             described[name] = _describe(name, exported, flat_args, blobs[name])
 
-    e = a.engine
     manifest = {
         "format": FORMAT,
         "model": model_name,
         "platform": platform,
-        "weights": weights,
-        "dtype": dtype,
-        "kv_dtype": kv_dtype,
-        "cache_dtype": str(jnp.dtype(e.cache_dtype or a.model.dtype)),
-        "slots": slots,
-        "max_len": max_len,
-        "chunk_size": chunk_size,
-        "prefill_rows": a.prefill_args[3].shape[0],
+        "weights": run.weights,
+        "dtype": run.dtype,
+        "kv_dtype": run.kv_dtype,
+        "cache_dtype": str(jnp.dtype(a.model.dtype)),  # the engine's: the model's float dtype
+        "slots": run.slots,
+        "max_len": run.max_len,
+        "chunk_size": run.chunk_size,
+        "prefill_rows": a.prefill_rows,
         "mesh": None if a.mesh is None else {k: int(v) for k, v in a.mesh.shape.items()},
         "devices": 1 if a.mesh is None else int(a.mesh.size),
         "device_kind": None if device is None else device.device_kind,
@@ -220,8 +212,7 @@ def export_steps(cfg, platform: str, out: str | os.PathLike, *, slots: int = 8, 
         "steps": described,
         "export_seconds": round(time.perf_counter() - t0, 3),
     }
-    if getattr(a.cfg, "kernels", None) is not None:
-        manifest["kernels"] = a.cfg.kernels
+    manifest["kernels"] = a.run.kernels
     _write(out, {**{STEP_FILES[n]: blobs[n] for n in blobs},
                  MANIFEST: (json.dumps(manifest, indent=1) + "\n").encode()}, force)
     return manifest
@@ -374,20 +365,18 @@ class LoadedSteps:
         """The exported model's ModelConfig (with its weight storage)."""
         from dsjax.config import ModelConfig
 
-        cfg = ModelConfig.from_hf(self.manifest["config"])
-        if "kernels" in self.manifest and any(f.name == "kernels" for f in dataclasses.fields(cfg)):
-            cfg = cfg.replace(kernels=self.manifest["kernels"])
-        return cfg
+        return ModelConfig.from_hf(self.manifest["config"])
 
     def abstract_model(self):
         """The exported model with ShapeDtypeStructs for weights (nothing allocated)."""
         import jax.numpy as jnp
         from flax import nnx
 
-        from dsjax.checkpoint.load import abstract_model
+        from dsjax.checkpoint.targets import abstract_model
+        from dsjax.model import with_kernels
 
         graphdef, flat, _ = abstract_model(self.config(), jnp.dtype(self.manifest["dtype"]))
-        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        return with_kernels(nnx.merge(graphdef, nnx.from_flat_state(flat)), self.manifest.get("kernels", "auto"))
 
     def new_cache(self):
         """An empty cache of the exported slots, max_len and dtypes, on the default device (one-device
@@ -461,9 +450,10 @@ def _check_leaves(what: str, tree, expected: list[dict]) -> list:
 
 
 def load_steps(folder: str | os.PathLike, verify: bool = True) -> LoadedSteps:
-    """Read an export folder: its manifest and both steps deserialized (`jax.export.deserialize`); with
-    `verify`, each file's sha256 is checked against the manifest's. Raises ValueError on a folder that is
-    not an export, one of another format version, or a file that does not match its manifest."""
+    """Read an export folder: its manifest (an older one's `weights` "fp8" read as "keep") and both steps
+    deserialized (`jax.export.deserialize`); with `verify`, each file's sha256 is checked against the
+    manifest's. Raises ValueError on a folder that is not an export, one of another format version, or a
+    file that does not match its manifest."""
     import jax
 
     folder = Path(folder)
@@ -473,6 +463,8 @@ def load_steps(folder: str | os.PathLike, verify: bool = True) -> LoadedSteps:
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: format {manifest.get('format')!r}, this dsjax reads {FORMAT!r}")
+    if manifest.get("weights") == "fp8":  # an export written before "keep" named the same storage
+        manifest["weights"] = "keep"
     exported = {}
     for name, desc in manifest["steps"].items():
         blob = (folder / desc["file"]).read_bytes()

@@ -1,11 +1,12 @@
 """`dsjax plan`: how much of each device a sharded model takes, from the compiled steps, with nothing
 allocated.
 
-The model is built abstractly (`abstract_model`), every parameter given the sharding the rules table
-(`dsjax.parallel.rules.param_sharding`) gives it on the mesh, and the cache the layout the engine gives
-it (`init_cache` shapes, `steps._cache_specs`). The engine's own decode step and prefill-chunk
-step are lowered and compiled ahead of time on those abstract arrays under `jax.set_mesh(mesh)`, and
-XLA's memory analysis of each compiled SPMD program (one device's program) gives the figures:
+The model is built abstractly (`dsjax.engine.aot.abstract_steps`), every parameter given the sharding
+the rules table (`dsjax.parallel.rules.param_sharding`) gives it on the mesh, and the cache the layout
+the engine gives it (`init_cache` shapes, `engine.steps.cache_specs`). The engine's own decode step and
+prefill-chunk step are lowered and compiled ahead of time on those abstract arrays under
+`jax.set_mesh(mesh)`, and XLA's memory analysis of each compiled SPMD program (one device's program)
+gives the figures:
 
 - weights: the bytes of each parameter's shard, summed (exact; the argument size XLA reports is the
   weights, the cache and the step's small inputs, checked to add up);
@@ -27,13 +28,19 @@ compiles at other slot counts until the largest that fits by XLA's own figures i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 import time
 
+import jax
+
+from dsjax.config import SLIDING, ModelConfig
+from dsjax.engine import steps
+from dsjax.engine.aot import abstract_steps
+from dsjax.parallel.mesh import parse_mesh
+from dsjax.run_config import RunConfig
+
 ONE_M = 1 << 20  # a 1M-token sequence: 1,048,576 tokens
-WEIGHTS = ("fp8", "bf16")
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -132,8 +139,8 @@ class Plan:
     max_len: int
     chunk_size: int
     prefill_rows: int
-    weights_format: str
-    kv_dtype: str
+    weights_format: str  # run_config.WEIGHTS: "keep" or "bf16"
+    kv_dtype: str  # RunConfig.kv_dtype, or its dtype where that is None
     device_mem: int
     weights: int
     cache: int
@@ -289,192 +296,18 @@ def largest_fit(base: Plan, replan, limit: int = 1 << 16, log=None) -> Fit:
                probes=tuple((s, known[s].total, known[s].fits) for s in order))
 
 
-def model_config(weights: str, cfg):
-    """`cfg` with the weight storage `weights` names: "fp8" keeps a config's quantization, or gives a
-    float one DeepSeek's release format (FP8 blocks, FP4 routed experts); "bf16" drops it."""
-    from dsjax.quantize import V4_QUANT
-
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    return cfg.replace(quantization=(cfg.quantization or V4_QUANT) if weights == "fp8" else None)
-
-
-def mesh_devices(n: int):
-    """`n` devices to plan on: the default backend's if it has enough, otherwise the host's CPU devices
-    (as many as `jax_num_cpu_devices` or XLA_FLAGS made; see `dsjax.cli._plan`)."""
-    import jax
-
-    devices = jax.devices()
-    if len(devices) < n:
-        devices = jax.devices("cpu")
-    if len(devices) < n:
-        raise ValueError(f"the mesh needs {n} devices; only {len(devices)} are available (set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n}, or plan from `dsjax plan`, "
-                         "which does so)")
-    return devices[:n]
-
-
-@dataclasses.dataclass(frozen=True)
-class AbstractSteps:
-    """The engine's decode and prefill-chunk steps with abstract arguments (`jax.ShapeDtypeStruct`s, nothing
-    allocated): `decode_args` and `prefill_args` are what `steps.decode_program` and `steps.prefill_program` take,
-    from the static graphdef on; with a mesh they carry the shardings the rules and the engine give them.
-    Lower them (`.lower`, `jax.export.export`) inside `context()`. Shared by `dsjax plan` and `dsjax export`."""
-
-    cfg: object  # the ModelConfig, with the weight storage applied
-    mesh: object  # a jax Mesh or AbstractMesh, or None: one device, no shardings (as an engine runs)
-    abstract_device: object  # the jax.sharding.AbstractDevice lowered for, or None: this host's devices
-    slot_shards: int  # devices the cache's slot axis is split over (1 without a mesh)
-    model: object  # the abstract model
-    engine: object  # an Engine over it (its dtypes and sizes)
-    decode_args: tuple  # (graphdef, params, cache, last_tokens [S], active [S], sampling [S])
-    prefill_args: tuple  # (graphdef, params, cache, tokens [N, C], slots [N], start [N], n_valid [N], sampling [N])
-
-    @property
-    def graphdef(self):
-        return self.decode_args[0]
-
-    @property
-    def params(self):
-        return self.decode_args[1]
-
-    @property
-    def cache(self):
-        return self.decode_args[2]
-
-    def context(self):
-        """`jax.set_mesh(mesh)` for a concrete mesh; `jax.sharding.use_abstract_mesh` for an abstract one, or
-        (without a mesh) for a mesh of no axes on the abstract device; otherwise nothing."""
-        import contextlib
-
-        import jax
-
-        if isinstance(self.mesh, jax.sharding.Mesh):
-            return jax.set_mesh(self.mesh)
-        if self.mesh is not None:
-            return jax.sharding.use_abstract_mesh(self.mesh)
-        if self.abstract_device is not None:
-            return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
-                                                                            abstract_device=self.abstract_device))
-        return contextlib.nullcontext()
-
-    def cache_shapes(self, n_slots: int, length: int):
-        """The abstract cache (no shardings) of `n_slots` sequences of `length` tokens."""
-        import jax
-
-        from dsjax.cache import init_cache
-
-        e = self.engine
-        return jax.eval_shape(functools.partial(init_cache, self.model, n_slots, length, e.cache_dtype,
-                                                e.kv_dtype))
-
-
-def abstract_steps(cfg, mesh_spec, max_len: int, slots: int, weights: str = "fp8", kv_dtype: str | None = "bfloat16",
-                   chunk_size: int = 256, prefill_rows: int | None = None, dtype=None,
-                   devices=None, abstract_device=None) -> AbstractSteps:
-    """The engine's steps for `cfg` (its weights stored as `weights` says) with abstract arguments: `slots`
-    sequences of `max_len` tokens, prefill chunks of `prefill_rows` (default: every slot) rows × `chunk_size`
-    tokens, activations in `dtype` (default bfloat16), the cache's K=V rows in `kv_dtype` (None: `dtype`).
-    `mesh_spec` ("ep=8", or {axis: size}) places every parameter as the rules table does and the cache as
-    the engine does, on `devices` (default: `mesh_devices`); None gives the one-device steps, no mesh.
-    `abstract_device` (a `jax.sharding.AbstractDevice`: the accelerator to lower for, which Pallas kernels
-    need when this host has none) makes the mesh an AbstractMesh of that device, no devices needed, and
-    `context()` sets it (a mesh of no axes without `mesh_spec`). Bad sizes raise ValueError naming them."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from dsjax.checkpoint.load import abstract_model
-    from dsjax.engine import steps
-    from dsjax.engine.sampling import SamplingArrays
-    from dsjax.parallel.mesh import AXES, make_mesh, parse_mesh
-    from dsjax.parallel.rules import mesh_axes
-    from dsjax.parallel.shard import abstract_on_mesh
-    from dsjax.quant import KV_DTYPES
-
-    dtype = dtype or jnp.bfloat16
-    if kv_dtype not in (None, *KV_DTYPES):
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    for name, v in (("max_len", max_len), ("slots", slots), ("chunk_size", chunk_size)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    prefill_rows = slots if prefill_rows is None else prefill_rows
-    if not isinstance(prefill_rows, int) or not 1 <= prefill_rows <= slots:
-        raise ValueError(f"prefill_rows must be between 1 and slots ({slots}), got {prefill_rows}")
-    mesh = None
-    shards = 1
-    if mesh_spec is not None:
-        sizes = parse_mesh(mesh_spec) if isinstance(mesh_spec, str) else {**dict.fromkeys(AXES, 1), **mesh_spec}
-        if sizes["ep"] > 1 and cfg.n_routed_experts % sizes["ep"]:
-            raise ValueError(f"mesh {mesh_spec!r}: ep={sizes['ep']} does not divide the model's "
-                             f"{cfg.n_routed_experts} routed experts")
-        if abstract_device is None:
-            mesh = make_mesh(sizes, mesh_devices(math.prod(sizes.values())) if devices is None else devices)
-        else:
-            mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in AXES), AXES,
-                                             axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
-                                             abstract_device=abstract_device)
-        shards = math.prod(mesh.shape[a] for a in mesh_axes(mesh, "slots"))
-        if slots % shards:
-            raise ValueError(f"slots ({slots}) must be a multiple of the {shards} devices the cache's slots "
-                             f"are split over (the mesh's {'·'.join(mesh_axes(mesh, 'slots'))} axes), or the "
-                             "cache would be replicated")
-    cfg = model_config(weights, cfg)
-
-    graphdef, flat, _ = abstract_model(cfg, dtype)
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    engine = steps.Engine(model, slots, max_len, chunk_size, kv_dtype=kv_dtype)
-    if mesh is None:
-        params = engine.params
-
-        def small(shape, dt):
-            return jax.ShapeDtypeStruct(shape, dt)
-    else:
-        params = abstract_on_mesh(engine.params, mesh)
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-        def small(shape, dt):
-            return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
-
-    def sampling(n):
-        return SamplingArrays(temperature=small((n,), jnp.float32), top_k=small((n,), jnp.int32),
-                              top_p=small((n,), jnp.float32), seed=small((n,), jnp.uint32))
-
-    out = AbstractSteps(cfg=cfg, mesh=mesh, abstract_device=abstract_device, slot_shards=shards, model=model,
-                        engine=engine, decode_args=(), prefill_args=())
-    cache = out.cache_shapes(slots, max_len)
-    if mesh is not None:
-        with out.context():
-            specs = steps._cache_specs(cache)  # the engine's own layout of its cache
-        cache = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                               sharding=jax.sharding.NamedSharding(mesh, p)),
-                             cache, specs)
-    n, c = prefill_rows, chunk_size
-    decode_args = (graphdef, params, cache, small((slots,), jnp.int32), small((slots,), jnp.bool_),
-                   sampling(slots))
-    prefill_args = (graphdef, params, cache, small((n, c), jnp.int32), small((n,), jnp.int32),
-                    small((n,), jnp.int32), small((n,), jnp.int32), sampling(n))
-    return dataclasses.replace(out, decode_args=decode_args, prefill_args=prefill_args)
-
-
-def plan(cfg, mesh_spec: str, max_len: int, slots: int, weights: str = "fp8", kv_dtype: str = "bfloat16",
-         chunk_size: int = 256, device_mem: int | str = "141GB", prefill_rows: int | None = None,
-         dtype=None, model_name: str | None = None, devices=None) -> Plan:
-    """Compile the engine's decode and prefill-chunk steps for `cfg` on the mesh `mesh_spec` from abstract
-    arrays and return the per-device memory. `prefill_rows` (default: every slot, the scheduler's
-    largest prefill) rows of `chunk_size` tokens go through a prefill chunk."""
-    import jax
-
-    from dsjax.engine import steps
-    from dsjax.parallel.mesh import parse_mesh
-    from dsjax.quant import KV_DTYPES
-
+def plan(cfg: ModelConfig, run: RunConfig, *, device_mem: int | str = "141GB", prefill_rows: int | None = None,
+         model_name: str | None = None, devices=None) -> Plan:
+    """Compile the engine's decode and prefill-chunk steps for `cfg` run as `run` says (its weights stored as
+    `run.weights` names, on the mesh `run.mesh`; None: one device) from abstract arrays and return the
+    per-device memory within `device_mem`. `prefill_rows` (default: every slot, the scheduler's largest
+    prefill) rows of `run.chunk_size` tokens go through a prefill chunk. `devices` (default: the backend's,
+    or the host's CPU devices: `aot.mesh_devices`) hold the mesh."""
     budget = parse_bytes(device_mem) if isinstance(device_mem, str) else int(device_mem)
-    sizes = parse_mesh(mesh_spec) if isinstance(mesh_spec, str) else dict(mesh_spec)
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    a = abstract_steps(cfg, sizes, max_len, slots, weights=weights, kv_dtype=kv_dtype, chunk_size=chunk_size,
-                       prefill_rows=prefill_rows, dtype=dtype, devices=devices)
+    if run.mesh is None:  # one device, still a mesh: every figure below reads the arrays' shardings
+        run = run.replace(mesh="dp=1")
+    sizes = parse_mesh(run.mesh)
+    a = abstract_steps(cfg, run, prefill_rows=prefill_rows, devices=devices)
     mem = {}
     with a.context():
         for name, fn, args in (("decode", steps.decode_program, a.decode_args),
@@ -488,14 +321,14 @@ def plan(cfg, mesh_spec: str, max_len: int, slots: int, weights: str = "fp8", kv
     cache_bytes = sharded_bytes(jax.tree.leaves(a.cache))
     small_inputs = {name: mem[name].argument - weights_bytes - cache_bytes for name in mem}
     cmodel = cache_model(lambda length: a.cache_shapes(1, length), a.cfg, a.slot_shards)
-    if cmodel.bytes(slots, max_len) != cache_bytes:
-        raise AssertionError(f"cache model gives {cmodel.bytes(slots, max_len)} bytes per device, the sharded "
-                             f"cache {cache_bytes}")
+    if cmodel.bytes(run.slots, run.max_len) != cache_bytes:
+        raise AssertionError(f"cache model gives {cmodel.bytes(run.slots, run.max_len)} bytes per device, the "
+                             f"sharded cache {cache_bytes}")
     return Plan(model=model_name or "model", mesh=sizes, devices=a.mesh.devices.size,
-                device_kind=a.mesh.devices.flat[0].platform, slots=slots, max_len=max_len, chunk_size=chunk_size,
-                prefill_rows=a.prefill_args[3].shape[0], weights_format=weights, kv_dtype=kv_dtype,
-                device_mem=budget, weights=weights_bytes, cache=cache_bytes, decode=mem["decode"],
-                prefill=mem["prefill"], cache_model=cmodel, small_inputs=small_inputs)
+                device_kind=a.mesh.devices.flat[0].platform, slots=run.slots, max_len=run.max_len,
+                chunk_size=run.chunk_size, prefill_rows=a.prefill_rows, weights_format=run.weights,
+                kv_dtype=run.kv_dtype or run.dtype, device_mem=budget, weights=weights_bytes, cache=cache_bytes,
+                decode=mem["decode"], prefill=mem["prefill"], cache_model=cmodel, small_inputs=small_inputs)
 
 
 def sharded_bytes(leaves) -> int:
@@ -508,10 +341,6 @@ def cache_model(one_slot, cfg, slot_shards: int) -> CacheModel:
     """The cache's bytes per slot as `fixed + Σ_m per_entry[m] · ⌊L / m⌋`, from `one_slot(L)` (the abstract
     cache of one slot of L tokens): at L = 0 only the fixed part is there; at L = m each rate below m
     has added ⌊m / m'⌋ entries and rate m its first."""
-    import jax
-
-    from dsjax.config import SLIDING
-
     def slot_bytes(length):
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one_slot(length).groups))
 

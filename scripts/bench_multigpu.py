@@ -77,14 +77,16 @@ def check_tokens(model, mesh, one_device, n: int, prompt_len: int, gen_len: int,
 
     from dsjax.engine.generate import generate
     from dsjax.engine.sampling import SamplingParams
+    from dsjax.run_config import RunConfig
 
     prompts = np.random.default_rng(seed).integers(0, model.cfg.vocab_size, (n, prompt_len)).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=gen_len, stop_token_ids=[], logprobs=2)
+    slots = RunConfig(slots=n, max_len=prompt_len + gen_len, chunk_size=64)
     runs = {}
     for name, m, where in (("mesh", model, jax.set_mesh(mesh)), ("one_device", one_device, contextlib.nullcontext())):
         t = time.perf_counter()
         with where:
-            runs[name] = generate(m, prompts, greedy, max_batch=n, max_len=prompt_len + gen_len)
+            runs[name] = generate(m, prompts, greedy, run=slots)
         print(f"[tokens: {name}] {time.perf_counter() - t:.1f} s", flush=True)
     partings, same, lp_diff = [], 0, 0.0
     for i, (a, b) in enumerate(zip(runs["mesh"], runs["one_device"])):
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsjax.config import ModelConfig
     from dsjax.parallel.mesh import make_mesh
     from dsjax.plan import fmt_bytes, plan
+    from dsjax.run_config import RunConfig
 
     sys.path.insert(0, _HERE)
     from make_synthetic_checkpoint import main as make_synthetic
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     _step(f"convert for ep={ep}", os.path.exists(dst), lambda: convert(src, dst, ep=ep, progress=False))
     cfg = ModelConfig.from_hf(dst)
     model = load_model(dst, jnp.bfloat16, weights="keep", mesh=mesh)
-    max_len = args.prompt_len + args.gen_len
+    run = RunConfig(max_len=args.prompt_len + args.gen_len, chunk_size=args.chunk_size, kv_dtype=args.kv_dtype,
+                    weights="keep", mesh=f"ep={ep}")
     rates = collective_rates(mesh, int(args.collective_mib * 2**20))
     print(f"{args.preset}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts on {ep} × "
           f"{jax.devices()[0].device_kind}: all-to-all {rates['all_to_all'] / 1e9:.1f} GB/s, all-gather "
@@ -225,10 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{per} per device] already in {out}, skipped", flush=True)
             rows.append(done[per])
             continue
-        predicted = plan(cfg, f"ep={ep}", max_len, per * ep, weights="fp8", kv_dtype=args.kv_dtype or "bfloat16",
-                         chunk_size=args.chunk_size)
-        (row,) = bench(model, [per * ep], args.prompt_len, args.gen_len, kv_dtype=args.kv_dtype,
-                       chunk_size=args.chunk_size, breakdown=not args.no_breakdown, mesh=mesh, emit=lambda r: None)
+        predicted = plan(cfg, run.replace(slots=per * ep))
+        (row,) = bench(model, [per * ep], args.prompt_len, args.gen_len, run=run, breakdown=not args.no_breakdown,
+                       mesh=mesh, emit=lambda r: None)
         sent = exchange_bytes(cfg, ep, per)
         parts = row.get("decode_parts_s") or {}
         row |= {"model": model_name, "per_device": per, "chunk_size": args.chunk_size,

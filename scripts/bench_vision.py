@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     from dsjax.config import ModelConfig
-    from dsjax.layers.vision import QUERY_BLOCK, VisionEncoder, cell_bucket, fused_attention_fits, pad_cells, patchify
+    from dsjax.engine.pixels import cell_bucket, pad_cells, patchify
+    from dsjax.layers.vision import QUERY_BLOCK, VisionEncoder, fused_attention_fits
 
     try:
         cfg = ModelConfig.preset(args.preset)

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsjax
-from dsjax.engine.steps import Engine
 
 
 def rel_err(a, b) -> float:
@@ -41,7 +40,7 @@ def check_case(folder: pathlib.Path) -> dict:
         out["logits"][t] = {"default": default, "highest": highest}
     runs = [np.load(p) for p in sorted(folder.glob("generate_*.npz"))]
     if runs:
-        engine = Engine(model, num_slots=4, max_len=96, chunk_size=8)
+        engine = dsjax.Engine(model, dsjax.RunConfig(slots=4, max_len=96, chunk_size=8))
         sp = dsjax.SamplingParams(temperature=0.0, max_tokens=len(runs[0]["tokens"]), stop_token_ids=[])
         t0 = time.perf_counter()
         res = dsjax.generate(model, [r["prompt"].tolist() for r in runs], sp, engine=engine)

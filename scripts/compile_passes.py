@@ -62,22 +62,17 @@ def main() -> int:
 
     import dsjax
     from dsjax.embedded import MODEL_DIR
-    from dsjax.engine.steps import Engine, _prefill_chunk
 
     t0 = time.perf_counter()
     model = dsjax.load_model(args.model or MODEL_DIR, dtype=getattr(jnp, args.dtype))
-    engine = Engine(model, num_slots=args.slots, max_len=args.max_len, chunk_size=args.chunk)
+    engine = dsjax.Engine(model, dsjax.RunConfig(slots=args.slots, max_len=args.max_len, chunk_size=args.chunk))
     cache = engine.new_cache()
     print(f"loaded in {time.perf_counter() - t0:.1f} s on {jax.devices()[0].device_kind}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
-    n, c = args.slots, args.chunk
-    ids = np.zeros(n, np.int32)
-    logits = engine._new_logits()
+    n = args.slots
     programs = {
-        "decode": lambda: engine.lower_decode(cache, ids, np.zeros(n, bool)),
-        f"prefill_{n}": lambda: _prefill_chunk.lower(engine._static, engine.params, cache, logits,
-                                                     *engine._put(np.zeros((n, c), np.int32), ids, ids, ids,
-                                                                  np.zeros(n, bool)), None),
+        "decode": lambda: engine.lower_decode(cache, np.zeros(n, np.int32), np.zeros(n, bool)),
+        f"prefill_{n}": lambda: engine.lower_prefill(cache, n),
     }
     report = {}
     for name, lower in programs.items():

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv: list[str] | None = None) -> int:
     from dsjax.embedded import MODEL_DIR
+    from dsjax.run_config import RunConfig
     from dsjax.training.vision import task_accuracy
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        result = task_accuracy(args.model, args.images, args.seed, tmp, max_batch=16, max_len=256, chunk_size=128,
-                               dtype=args.dtype, progress=False)
+        run = RunConfig(slots=16, max_len=256, chunk_size=128, dtype=args.dtype)
+        result = task_accuracy(args.model, args.images, args.seed, tmp, run=run, progress=False)
     result.pop("records")
     print(json.dumps(result, indent=1))
     return 0

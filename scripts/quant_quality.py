@@ -25,11 +25,12 @@ import numpy as np
 
 import dsjax
 from dsjax.embedded import MODEL_DIR
+from dsjax.engine.engine import Engine
 from dsjax.engine.generate import generate
 from dsjax.engine.sampling import SamplingParams
 from dsjax.engine.scoring import teacher_forced_logprobs
-from dsjax.engine.steps import Engine
 from dsjax.quantize import V4_QUANT, quantize_model
+from dsjax.run_config import RunConfig
 
 BASE = "bfloat16"
 
@@ -51,7 +52,7 @@ def main() -> None:
     max_len = args.prompt + args.steps
 
     def free_run(m, kv):
-        eng = Engine(m, num_slots=args.rows, max_len=max_len, chunk_size=64, kv_dtype=kv)
+        eng = Engine(m, RunConfig(slots=args.rows, max_len=max_len, chunk_size=64, kv_dtype=kv))
         return np.asarray([r.tokens for r in generate(m, prompts.tolist(), greedy, engine=eng)])
 
     runs = {name: free_run(m, kv) for name, (m, kv) in variants.items()}

@@ -12,7 +12,8 @@ from flax import nnx
 
 from dsjax import bench as B
 from dsjax.cli import main
-from dsjax.engine.steps import Engine
+from dsjax.engine.engine import Engine
+from dsjax.run_config import RunConfig
 from tests.conftest import ROOT, reference_python
 
 RATES = B.DeviceRates(1e12, 1e14)
@@ -24,10 +25,12 @@ def tiny():
 
 
 def test_bench_config_cuts_layers_and_picks_storage():
-    cfg = B.bench_config("v4-flash", 4, "fp8")
+    cfg = B.bench_config("v4-flash", 4, "keep")
     assert cfg.num_hidden_layers == 4 and len(cfg.layer_types) == len(cfg.mlp_layer_types) == 4
     assert cfg.quantization.expert_dtype == "fp4"
     assert B.bench_config("tiny").quantization is None
+    with pytest.warns(DeprecationWarning, match="'fp8' is now spelled 'keep'"):
+        assert B.bench_config("v4-flash", 4, "fp8") == cfg
     with pytest.raises(ValueError, match="between 1 and the preset's 4"):
         B.bench_config("tiny", 5)
     with pytest.raises(ValueError, match="weights must be one of"):
@@ -146,21 +149,23 @@ def test_attribute_trace_gives_collectives_their_own_part_and_averages_devices(t
 
 def test_run_bench_refuses_recompilation(tiny, monkeypatch):
     """A measured run that compiled anything is an error (the runs themselves are stubbed here: the
-    CLI test runs them for real)."""
+    CLI test runs them for real). The engine has a slot per sequence, each of exactly its tokens."""
     runs = []
-    monkeypatch.setattr(B, "_timed_run", lambda engine, requests: runs.append(len(requests)) or (1.0, 1.0, 1))
+    monkeypatch.setattr(B, "_timed_run", lambda engine, requests: runs.append(
+        (len(requests), engine.run)) or (1.0, 1.0, 1))
     calls = iter(range(100))
     monkeypatch.setattr(Engine, "compilations", staticmethod(lambda: next(calls)))
     with pytest.raises(RuntimeError, match="more programs after warm-up"):
-        B.run_bench(tiny, 2, 12, 4, chunk_size=8, rates=RATES, breakdown=False)
-    assert runs == [2, 2]  # the warm-up, then the measured run
+        B.run_bench(tiny, 2, 12, 4, run=RunConfig(slots=5, max_len=100, chunk_size=8), rates=RATES, breakdown=False)
+    engine_run = RunConfig(slots=2, max_len=16, chunk_size=8)
+    assert runs == [(2, engine_run), (2, engine_run)]  # the warm-up, then the measured run
     monkeypatch.setattr(Engine, "compilations", staticmethod(lambda: 7))
-    assert B.run_bench(tiny, 2, 12, 4, chunk_size=8, breakdown=False)["compilations_after_warmup"] == 0
+    assert B.run_bench(tiny, 2, 12, 4, run=RunConfig(chunk_size=8), breakdown=False)["compilations_after_warmup"] == 0
 
 
 def test_cli_runs_and_appends_rows(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
-    args = ["bench", "--preset", "tiny", "--layers", "2", "--batch", "2", "--prompt-len", "12", "--gen-len", "4",
+    args = ["bench", "--preset", "tiny", "--layers", "2", "--slots", "2", "--prompt-len", "12", "--gen-len", "4",
             "--chunk-size", "8", "--copy-tbps", "1", "--matmul-tflops", "100", "--json", str(out)]
     assert main(args) == 0
     main(args[:-2])  # a second run without --json appends nothing (its steps are compiled already)
@@ -179,7 +184,7 @@ def test_cli_runs_on_a_mesh(tmp_path, capsys):
     """`--mesh` places the model on all 8 test devices and runs the engine under it: sequences over the
     whole mesh, peak memory per device (None on CPU), no roofline past one device."""
     out = tmp_path / "rows.jsonl"
-    assert main(["bench", "--preset", "tiny", "--layers", "2", "--batch", "8", "--prompt-len", "12", "--gen-len", "3",
+    assert main(["bench", "--preset", "tiny", "--layers", "2", "--slots", "8", "--prompt-len", "12", "--gen-len", "3",
                  "--chunk-size", "8", "--copy-tbps", "1", "--matmul-tflops", "100", "--mesh", "dp=2,ep=4",
                  "--json", str(out)]) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -190,15 +195,16 @@ def test_cli_runs_on_a_mesh(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "x", "--layers", "2", "--batch", "1", "--prompt-len", "4", "--gen-len", "2"], "--layers cuts a preset"),
-    (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "1"], "--gen-len 1"),
-    (["--preset", "tiny", "--batch", "0", "--prompt-len", "4", "--gen-len", "2"], "--batch 0"),
-    (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--copy-tbps", "4"],
+    (["--model", "x", "--layers", "2", "--slots", "1", "--prompt-len", "4", "--gen-len", "2"], "--layers cuts a preset"),
+    (["--preset", "tiny", "--slots", "1", "--prompt-len", "4", "--gen-len", "1"], "--gen-len at least 2"),
+    (["--preset", "tiny", "--slots", "0", "--prompt-len", "4", "--gen-len", "2"],
+     "--slots must be an integer of at least 1, got 0"),
+    (["--preset", "tiny", "--slots", "1", "--prompt-len", "4", "--gen-len", "2", "--copy-tbps", "4"],
      "give both --copy-tbps and --matmul-tflops"),
-    (["--preset", "tiny", "--layers", "9", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--copy-tbps", "1",
+    (["--preset", "tiny", "--layers", "9", "--slots", "1", "--prompt-len", "4", "--gen-len", "2", "--copy-tbps", "1",
       "--matmul-tflops", "1"], "between 1 and the preset's 4"),
-    (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--mesh", "ep=3"], "needs 3 devices"),
-    (["--preset", "tiny", "--batch", "1", "--prompt-len", "4", "--gen-len", "2", "--mesh", "xp=8"], "expected comma"),
+    (["--preset", "tiny", "--slots", "1", "--prompt-len", "4", "--gen-len", "2", "--mesh", "ep=3"], "needs 3 devices"),
+    (["--preset", "tiny", "--slots", "1", "--prompt-len", "4", "--gen-len", "2", "--mesh", "xp=8"], "expected comma"),
 ])
 def test_cli_refuses_bad_input(args, message, capsys):
     assert main(["bench", *args]) == 2
@@ -237,11 +243,11 @@ def test_cli_benches_a_release_format_and_a_converted_checkpoint(tmp_path, capsy
     rows = []
     for folder in (release, converted):
         out = tmp_path / f"{folder.name}.jsonl"
-        assert main(["bench", "--model", str(folder), "--weights", "fp8", "--batch", "2", "--prompt-len", "12",
+        assert main(["bench", "--model", str(folder), "--weights", "keep", "--slots", "2", "--prompt-len", "12",
                      "--gen-len", "3", "--chunk-size", "8", "--copy-tbps", "1", "--matmul-tflops", "100",
                      "--json", str(out)]) == 0, capsys.readouterr().err
         (row,) = [json.loads(line) for line in out.read_text().splitlines()]
         rows.append(row)
     assert [r["model"] for r in rows] == [str(release), str(converted)]
-    assert all(r["weights"] == "fp8" and r["decode_steps"] == 2 and r["compilations_after_warmup"] == 0 for r in rows)
+    assert all(r["weights"] == "keep" and r["decode_steps"] == 2 and r["compilations_after_warmup"] == 0 for r in rows)
     assert rows[0]["layers"] == rows[1]["layers"] == B.bench_config("tiny").num_hidden_layers

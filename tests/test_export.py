@@ -18,13 +18,15 @@ import dsjax
 from dsjax.cli import main
 from dsjax.config import ModelConfig
 from dsjax.engine import steps
+from dsjax.engine.engine import Engine
 from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingModes, SamplingParams
 from dsjax.export import ALLOWED_CUSTOM_CALLS, MANIFEST, STEP_FILES, _write, export_steps, load_steps
 from dsjax.model import DeepseekV4
 from dsjax.quantize import V4_QUANT
+from dsjax.run_config import RunConfig
 
 SLOTS, MAX_LEN, CHUNK, ROWS = 4, 32, 8, 2  # ROWS: the cpu export's prefill rows
-SIZES = ["--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--chunk", str(CHUNK)]
+SIZES = ["--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--chunk-size", str(CHUNK)]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,8 @@ def model(release):
 @pytest.fixture(scope="module")
 def cpu_export(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "cpu"
-    manifest = export_steps(tiny, "cpu", out, slots=SLOTS, max_len=MAX_LEN, chunk_size=CHUNK, prefill_rows=ROWS,
-                            weights="fp8", dtype="float32", model_name="tiny")
+    run = RunConfig(slots=SLOTS, max_len=MAX_LEN, chunk_size=CHUNK, weights="keep", dtype="float32")
+    manifest = export_steps(tiny, "cpu", out, run, prefill_rows=ROWS, model_name="tiny")
     return out, manifest
 
 
@@ -59,7 +61,7 @@ def _assert_same(ours, ref, what):
 def test_cpu_round_trip_equals_the_engines_steps(tiny, model, cpu_export):
     out, manifest = cpu_export
     assert sorted(os.listdir(out)) == sorted([MANIFEST, *STEP_FILES.values()])
-    engine = steps.Engine(model, SLOTS, MAX_LEN, CHUNK)
+    engine = Engine(model, RunConfig(slots=SLOTS, max_len=MAX_LEN, chunk_size=CHUNK))
     loaded = load_steps(out)
     assert loaded.manifest == json.loads((out / MANIFEST).read_text()) == manifest
     assert loaded.config() == model.cfg  # the preset, stored as the release stores it
@@ -139,6 +141,17 @@ def test_the_loader_names_what_does_not_match(tiny, cpu_export):
         load_steps(cpu_export[0].parent)
 
 
+def test_an_export_written_before_keep_loads_with_its_weights_renamed(cpu_export, tmp_path):
+    """Manifests before the one vocabulary of `RunConfig.WEIGHTS` say "fp8" for the storage now "keep"."""
+    out, manifest = cpu_export
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in STEP_FILES.values():
+        (old / name).write_bytes((out / name).read_bytes())
+    (old / MANIFEST).write_text(json.dumps({**manifest, "weights": "fp8"}))
+    assert manifest["weights"] == "keep" and load_steps(old).manifest == manifest
+
+
 MESH8 = ["--mesh", "ep=8", "--slots", "8"]
 
 
@@ -156,8 +169,8 @@ def test_accelerator_artifacts_are_written_here(platform, preset, more, tmp_path
     assert (m["platform"], m["slots"], m["max_len"], m["chunk_size"], m["prefill_rows"]) == (
         platform, slots, 32, 8, slots)
     assert (m["weights"], m["dtype"], m["kv_dtype"], m["devices"], m["jax_version"]) == (
-        "fp8", "bfloat16", None, devices, jax.__version__)
-    assert ModelConfig.from_hf(m["config"]).quantization is not None  # fp8: the release storage
+        "keep", "bfloat16", None, devices, jax.__version__)
+    assert ModelConfig.from_hf(m["config"]).quantization is not None  # keep: the release storage
     assert any(e["dtype"] == "float8_e4m3fn" for e in m["params"])
     loaded = load_steps(out)  # deserializes; these cannot run on this machine
     for name, e in loaded.exported.items():
@@ -188,7 +201,7 @@ def test_accelerator_artifacts_are_written_here(platform, preset, more, tmp_path
 @pytest.mark.parametrize("argv,message", [
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--platform", "gpu"], r"platform 'gpu' is not one of cpu, cuda, rocm, tpu \(NVIDIA GPUs: cuda"),
-    (["--max-len", "0"], "max_len must be a positive integer"),
+    (["--max-len", "0"], "max.len must be an integer of at least 2"),
     (["--prefill-rows", "5"], r"prefill_rows must be between 1 and slots \(4\)"),
     (["--mesh", "ep=3"], "ep=3 does not divide the model's 8 routed experts"),
     (["--mesh", "dp=3"], r"slots \(4\) must be a multiple of the 3 devices"),

@@ -20,10 +20,11 @@ from dsjax.engine.sampling import MAX_LOGPROBS
 from dsjax.model import DeepseekV4
 from dsjax.plan import ONE_M, CacheModel, largest_fit, parse_bytes, plan
 from dsjax.quantize import V4_QUANT
+from dsjax.run_config import RunConfig
 
 # One compiled plan for the whole file; the CLI test asks for the same one (jax's in-process cache).
-ARGS = dict(mesh_spec="ep=8", max_len=64, slots=16, weights="fp8", kv_dtype="fp4", chunk_size=8)
-CLI = ["plan", "--preset", "tiny", "--mesh", "ep=8", "--max-len", "64", "--slots", "16", "--weights", "fp8",
+RUN = RunConfig(mesh="ep=8", max_len=64, slots=16, weights="keep", kv_dtype="fp4", chunk_size=8)
+CLI = ["plan", "--preset", "tiny", "--mesh", "ep=8", "--max-len", "64", "--slots", "16", "--weights", "keep",
        "--kv-dtype", "fp4", "--chunk-size", "8"]
 EXPERT_LEAVES = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
 
@@ -35,7 +36,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def planned(tiny):
-    return plan(tiny, device_mem="2MB", model_name="tiny", **ARGS)
+    return plan(tiny, RUN, device_mem="2MB", model_name="tiny")
 
 
 def _nbytes(x) -> int:
@@ -62,13 +63,13 @@ def test_weights_are_the_expert_shards_plus_everything_else_whole(tiny, planned)
 
 def test_cache_is_what_the_engine_puts_on_each_device(tiny, planned):
     # An engine's real cache on the same mesh, measured shard by shard.
-    from dsjax.engine.steps import Engine
+    from dsjax.engine.engine import Engine
     from dsjax.parallel.mesh import make_mesh
 
     # the engine reads only the model's structure to make its cache: an abstract model will do
     model = nnx.eval_shape(lambda: DeepseekV4(tiny, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
-    engine = Engine(model, ARGS["slots"], ARGS["max_len"], ARGS["chunk_size"], kv_dtype=ARGS["kv_dtype"])
-    with jax.set_mesh(make_mesh("ep=8")):
+    engine = Engine(model, RUN)
+    with jax.set_mesh(make_mesh(RUN.mesh)):
         cache = engine.new_cache()
     leaves = jax.tree.leaves(cache)
     on_device_0 = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == jax.devices()[0])
@@ -80,7 +81,7 @@ def test_cache_is_what_the_engine_puts_on_each_device(tiny, planned):
 
 
 def test_xla_arguments_are_weights_cache_and_the_step_inputs(planned):
-    s, n, c, k = ARGS["slots"], ARGS["slots"], ARGS["chunk_size"], MAX_LOGPROBS
+    s, n, c, k = RUN.slots, RUN.slots, RUN.chunk_size, MAX_LOGPROBS
     sampling = 4 + 4 + 4 + 4  # temperature, top_k, top_p, seed per row
     assert planned.decode.argument == planned.weights + planned.cache + s * (4 + 1 + sampling)
     assert planned.prefill.argument == planned.weights + planned.cache + n * (c * 4 + 3 * 4 + sampling)
@@ -92,6 +93,15 @@ def test_xla_arguments_are_weights_cache_and_the_step_inputs(planned):
     assert planned.temp == max(planned.decode.temp, planned.prefill.temp)
     assert planned.total == planned.weights + planned.cache + planned.temp + planned.other
     assert planned.fits == (planned.total <= 2_000_000)
+
+
+def test_a_run_without_a_mesh_is_planned_on_one_device(tiny):
+    """`run.mesh` None: one device holds everything (weights whole, the cache's slots unsplit)."""
+    one = plan(tiny, RUN.replace(mesh=None, slots=2), device_mem="1GB")
+    assert one.devices == 1 and one.mesh == {"dp": 1, "ep": 1, "tp": 1} and one.cache_model.slot_shards == 1
+    assert one.weights_format == "keep" and one.kv_dtype == "fp4"
+    assert one.cache == one.cache_model.bytes(2, RUN.max_len)
+    assert "mesh one device (1 × cpu), 2 slots × 64 tokens" in one.table()
 
 
 def test_cache_formula_matches_the_cache_at_every_length(tiny, planned):
@@ -169,7 +179,7 @@ def test_search_finds_the_edge_by_compiled_figures(planned, temp_of, start):
 def test_cli_prints_the_table(planned, capsys):
     assert main(CLI + ["--device-mem", "2MB", "--no-search"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("tiny: weights fp8, kv fp4, mesh ep=8 (8 × cpu), 16 slots × 64 tokens")
+    assert out.startswith("tiny: weights keep, kv fp4, mesh ep=8 (8 × cpu), 16 slots × 64 tokens")
     for label in ("weights", "cache", "temporaries", "other", "total"):
         assert label in out
     assert f"{planned.weights / 1e3:,.2f} KB" in out
@@ -185,7 +195,7 @@ def test_cli_prints_the_table(planned, capsys):
     (["--mesh", "ep=3"], "ep=3 does not divide the model's 8 routed experts"),
     (["--slots", "12"], r"slots \(12\) must be a multiple of the 8 devices"),
     (["--mesh", "ep=two"], "AXIS=SIZE"),
-    (["--max-len", "0"], "max_len must be a positive integer"),
+    (["--max-len", "0"], "max.len must be an integer of at least 2"),
 ])
 def test_bad_input_is_refused_with_its_reason(argv, message, capsys):
     # Backends up, as they are in the whole suite: otherwise `dsjax plan` would still give the CPU as

@@ -7,9 +7,11 @@ from typing import Sequence
 
 import numpy as np
 
+from dsjax.engine import scheduler
+from dsjax.engine.engine import Engine
 from dsjax.engine.sampling import SamplingParams
-from dsjax.engine.scheduler import Request, run
-from dsjax.engine.steps import Engine
+from dsjax.engine.scheduler import Request
+from dsjax.run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,24 +55,26 @@ def make_requests(cfg, prompts: Sequence[Sequence[int]], sampling, max_len: int,
 
 
 def generate(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = None,
-             *, max_batch: int = 8, max_len: int | None = None, chunk_size: int = 64, seed: int = 0,
-             engine: Engine | None = None) -> list[GenerationResult]:
-    """Generate for each token-id prompt with continuous batching over `max_batch` slots.
-
-    `max_len` bounds prompt + generated tokens per sequence (default: the longest prompt plus the largest
-    max_tokens). Pass an `engine` to reuse its compiled steps across calls.
+             *, run: RunConfig | None = None, seed: int = 0, engine: Engine | None = None) -> list[GenerationResult]:
+    """Generate for each token-id prompt with continuous batching over `run.slots` slots of `run.max_len`
+    tokens (prompt + generated) each, prompts prefilled `run.chunk_size` tokens at a time. The default
+    `run`: 8 slots, chunks of 64 tokens, and room for the longest prompt plus the largest max_tokens. Pass
+    an `engine` instead to reuse its compiled steps across calls.
     """
     sampling = SamplingParams() if sampling is None else sampling
     if engine is None:
-        if max_len is None:
+        if run is None:
             sps = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
             max_len = max((len(p) for p in prompts), default=1) + max((s.max_tokens for s in sps), default=1)
-        engine = Engine(model, num_slots=max_batch, max_len=max_len, chunk_size=chunk_size)
+            run = RunConfig(slots=8, max_len=max_len, chunk_size=64)
+        engine = Engine(model, run)
+    elif run is not None:
+        raise ValueError("give generate a run or an engine (which has its own), not both")
     requests = make_requests(engine.cfg, prompts, sampling, engine.max_len, seed)
     tokens: list[list[int]] = [[] for _ in requests]
     logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
     finish: list[str | None] = [None] * len(requests)
-    for ev in run(engine, requests):
+    for ev in scheduler.run(engine, requests):
         tokens[ev.index].append(ev.token)
         if ev.top is not None:
             logprobs[ev.index].append(TokenLogprob(ev.token, ev.logprob, ev.top))

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from dsjax.engine.compiles import CompileClock
+from dsjax.engine.engine import Engine, Spliced
 from dsjax.engine.sampling import SamplingArrays, SamplingParams
-from dsjax.engine.steps import Engine, Spliced
 
 _IDLE = SamplingParams(temperature=0.0)
 

@@ -1,73 +1,30 @@
-"""Jitted prefill and decode steps over the fixed-shape cache, with the cache buffers donated, and the
-on-device sampler as a program of its own.
+"""The engine's steps as pure jitted functions over the fixed-shape cache (its buffers donated), and the
+layout the cache keeps on a mesh.
 
-`decode` advances every active slot by one token; `prefill` fills the given slots from position 0,
-one fixed-size chunk at a time, so a prompt of any length runs through the same compiled chunk step.
-Both end in next-token logits for every slot, which the sampler program turns into `Sampled` rows: so
-the model's programs never depend on the requests' sampling options, and the sampler's few variants
-(`SAMPLER_MODES`) are small programs. `Engine.precompile` builds every program a job can need before its
-first request, in parallel, so none is compiled mid-job.
+The model's graph is each step's static first argument (`StaticGraph`), its weights the second:
+
+- `decode` feeds each active slot its last token; `prefill_chunk` writes one chunk of tokens into the
+  given slots from their start positions. Both return the cache, next-token logits for every slot and
+  the positions the sampled tokens will take; `sample_rows` (the sampler, a program of its own per
+  `SamplingModes`) turns those into `Sampled` rows. So the model's programs never depend on the
+  requests' sampling options. `new_cache` makes an empty cache on the devices. `Engine`
+  (`engine/engine.py`) calls these.
+- `decode_step` and `prefill_step` are the same steps with the sampler in one function: what `dsjax
+  export` writes and `dsjax plan` measures (`decode_program`, `prefill_program`: their jitted forms).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import dataclasses
 import functools
-import hashlib
-import math
-import os
-import sys
-import threading
-import time
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dsjax.cache import Cache, init_cache
-from dsjax.engine.compiles import BACKGROUND_THREAD
-from dsjax.engine.programs import ProgramStore, compile_for_store, describe
-from dsjax.engine.sampling import SAMPLER_MODES, Sampled, SamplingArrays, SamplingModes, SamplingParams, sample
-from dsjax.layers.vision import cell_bucket, fused_attention_fits, layout, pad_cells, patchify
+from dsjax.engine.sampling import Sampled, SamplingArrays, sample
+from dsjax.engine.slots import put_slots, take_slots
 from dsjax.parallel.rules import slot_axes
-from dsjax.quant import KV_DTYPES
-
-
-def take_slots(cache: Cache, slots: jax.Array) -> Cache:
-    """The rows `slots` of every cache array (slot axis 0 for lengths, 1 under the repeat axis)."""
-    return Cache(lengths=cache.lengths[slots],
-                 groups=jax.tree.map(lambda x: jnp.take(x, slots, axis=1), cache.groups))
-
-
-def put_slots(cache: Cache, part: Cache, slots: jax.Array) -> Cache:
-    """`cache` with rows `slots` replaced by `part` (slots must be distinct)."""
-    return Cache(lengths=cache.lengths.at[slots].set(part.lengths),
-                 groups=jax.tree.map(lambda x, y: x.at[:, slots].set(y), cache.groups, part.groups))
-
-
-def prefill_rows(n: int, num_slots: int) -> int:
-    """Rows of a prefill of `n` new requests: a power of two (few compiled shapes), rounded up to whole
-    shares of the mesh axes that split the cache's slots. Fewer rows than devices could not be split, and
-    attention and the indexer would then take their references, not their kernels
-    (`kernels.dispatch.over_slots`)."""
-    size = 1
-    while size < n:
-        size *= 2
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = slot_axes(mesh, num_slots)
-    share = math.prod(mesh.shape[a] for a in axes) if axes else 1
-    return min(-(-size // share) * share, num_slots)
-
-
-def prefill_buckets(num_slots: int, requests: int | None = None) -> list[int]:
-    """Every row count `prefill_rows` gives for 1 … `num_slots` new requests (at most `requests`, the
-    number a run will see, if known: no prefill takes more)."""
-    most = num_slots if requests is None else max(1, min(requests, num_slots))
-    return sorted({prefill_rows(n, num_slots) for n in range(1, most + 1)})
 
 
 class StaticGraph:
@@ -91,405 +48,12 @@ class StaticGraph:
             self is other or (self._hash == other._hash and self.graphdef == other.graphdef))
 
 
-def _graph(graphdef):
+def graph_of(graphdef):
+    """The graphdef a step was given, unwrapped from its `StaticGraph`."""
     return graphdef.graphdef if isinstance(graphdef, StaticGraph) else graphdef
 
 
-class Engine:
-    """Compiled steps for one model, `num_slots` sequences of up to `max_len` tokens, prefill chunks of
-    `chunk_size` tokens. `params` are the model's weights (taken once; steps take them as an argument).
-    `cache_dtype` is the cache's float dtype (default: the model's); `kv_dtype` "bfloat16", "fp8" or "fp4"
-    stores its K=V rows that way (`dsjax.cache`). `programs` keeps the programs `precompile` builds on
-    disk, so that a later process loads them without tracing (`engine.programs`)."""
-
-    def __init__(self, model, num_slots: int, max_len: int, chunk_size: int = 64, cache_dtype=None,
-                 kv_dtype: str | None = None, programs: ProgramStore | None = None):
-        if num_slots < 1 or max_len < 1 or chunk_size < 1:
-            raise ValueError("num_slots, max_len and chunk_size must be positive")
-        self.model = model
-        self.cfg = model.cfg
-        self.num_slots, self.max_len, self.chunk_size = num_slots, max_len, chunk_size
-        if kv_dtype not in (None, *KV_DTYPES):
-            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-        self.cache_dtype, self.kv_dtype = cache_dtype, kv_dtype
-        # `precompile`'s programs, by (name, variant), called directly: they skip jit's tracing. Those of
-        # `programs` (a store on disk) are loaded from it when there, and stored when compiled.
-        self.programs = programs
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}
-        self.fallbacks = 0  # calls whose inputs a precompiled program refused (then jit compiles its own)
-        self._identity: tuple | None = None  # what `_program_key` hashes of the model and engine
-        self.programs_loaded, self.load_seconds = 0, 0.0  # of `precompile`'s programs, from `programs`
-        # Prefill buckets `precompile(later=…)` left to a background thread, until each is ready.
-        self._later: set[int] = set()
-        self._ready = threading.Condition()
-        self._stop = threading.Event()
-        self.background: threading.Thread | None = None
-        self.background_built = 0
-        self.graphdef, self.params = nnx.split(model)
-        self._static = StaticGraph(self.graphdef)
-        # The jitted steps with their graph bound, made once: `_call` falls back to them.
-        self._decode_jit = functools.partial(_decode, self._static)
-        self._prefill_jit = functools.partial(_prefill_chunk, self._static)
-        self._a_weight = jax.tree.leaves(self.params)[0]  # where the weights live (`_placed`)
-        # Set by `precompile(images=True)`: every prefill chunk then runs the program that takes spliced
-        # embeddings (with none for a chunk of text), so an image job compiles one program per row bucket.
-        self.spliced_prefill = False
-        self._no_splice: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows → zero embeddings and mask
-        # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
-        # context once, so every step would be traced again by the next engine. Import it before.
-        import tokamax  # noqa: F401
-
-    def _placed(self, spec: jax.sharding.PartitionSpec) -> jax.sharding.Sharding | None:
-        """Where a step's other inputs live: on the context mesh by `spec`, or else as the weights do (on
-        their device if they are committed to one; None: jax's default device, uncommitted). Every call of
-        a step then sees its inputs placed alike and reuses one compiled program, `precompile`'s."""
-        mesh = jax.sharding.get_mesh()
-        if mesh.axis_names:
-            return jax.sharding.NamedSharding(mesh, spec)
-        weight = self._a_weight
-        if not getattr(weight, "committed", False):
-            return None
-        if isinstance(weight.sharding, jax.sharding.NamedSharding):  # weights on a mesh, none in context
-            return jax.sharding.NamedSharding(weight.sharding.mesh, jax.sharding.PartitionSpec())
-        return weight.sharding if len(weight.sharding.device_set) == 1 else None
-
-    def _put(self, *arrays):
-        """Host inputs of a step, placed as `_placed` says. The scheduler passes the host's tokens to the
-        first decode step after a prefill and the step in flight's (already placed) to the others: placed
-        differently, the step would compile twice, the second time inside the decode loop."""
-        return self._place(tuple(jnp.asarray(a) for a in arrays))
-
-    def _place(self, tree):
-        """A pytree of device arrays (sampling rows, step inputs), placed as `_placed` says."""
-        placed = self._placed(jax.sharding.PartitionSpec())
-        return tree if placed is None else jax.device_put(tree, placed)
-
-    def _cache_args(self) -> tuple:
-        return self._static, self.params, self.num_slots, self.max_len, self.cache_dtype, self.kv_dtype
-
-    def new_cache(self) -> Cache:
-        """An empty cache (one compiled program); under `jax.set_mesh` each device holds the slots the rules
-        give it."""
-        return self._call(("new_cache",), lambda _: _new_cache(*self._cache_args()), self.params)
-
-    def _new_logits(self) -> jax.Array:
-        return jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32,
-                         device=self._placed(jax.sharding.PartitionSpec()))
-
-    def _call(self, slot: tuple, jitted, *args):
-        """`jitted(*args)`, through the precompiled program `slot` when there is one. A program refuses
-        inputs of other shapes or placements before it runs (nothing donated yet): jit then compiles its
-        own, which the job's summary counts as compiled during generation."""
-        compiled = self._compiled.get(slot)
-        if compiled is not None:
-            try:
-                return compiled(*args)
-            except (TypeError, ValueError):
-                self.fallbacks += 1
-        return jitted(*args)
-
-    def encode_image(self, pixels_hwc: np.ndarray) -> np.ndarray:
-        """One image's embeddings `[image_tokens, hidden]` (float32, on the host) from its `[H, W, 3]`
-        uint8 pixels (`layers.vision.decode_image`), for `Spliced`. The image is padded with blank cells
-        to `cell_bucket` cells, so images of many sizes share a few compiled encoders."""
-        vision = self.cfg.vision
-        if self.model.vision is None:
-            raise ValueError("this model has no image encoder (its config has no vision_config)")
-        h, w = pixels_hwc.shape[:2]
-        rows, cols = vision.grid(w, h)
-        a = pad_cells(patchify(pixels_hwc, vision), cell_bucket(rows * cols), vision)
-        cells, begin, row_end, end = jax.device_get(_encode_cells(
-            self._static, self._fused_vision(), self.params, a["patches"], a["row"], a["col"], a["valid"]))
-        return layout(np.asarray(cells, np.float32)[:rows * cols], rows, cols,
-                      *(np.asarray(x, np.float32) for x in (begin, row_end, end)))
-
-    def _fused_vision(self) -> bool:
-        """Whether the encoder's attention goes through cuDNN's fused kernel: on NVIDIA GPUs, for heads it
-        takes. Chosen here and not by `platform_dependent`: tracing the cuDNN call needs cuDNN present."""
-        weight = self.model.vision.patch_embed.weight[...]
-        v = self.cfg.vision
-        return all(d.platform == "gpu" for d in weight.devices()) and fused_attention_fits(
-            weight.dtype, v.hidden_size // v.num_heads)
-
-    @staticmethod
-    def compilations() -> int:
-        """Programs compiled so far by the steps of every engine in this process. Engines of the same
-        model structure and shapes share them, so this stays constant once a job has warmed up."""
-        return sum(f._cache_size() for f in (_decode, _prefill_chunk, _sample_rows, _encode_cells, _new_cache))
-
-    def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
-               sampling: SamplingArrays) -> tuple[Cache, Sampled]:
-        """Feed each active slot its last token and sample the next; inactive slots are untouched.
-        `sampling` has one row per slot."""
-        cache, logits_sv, positions_s = self._call(("decode",), self._decode_jit, self.params,
-                                                   cache, *self._put(jnp.asarray(last_tokens, jnp.int32),
-                                                                     jnp.asarray(active, bool)))
-        return cache, self._call(("sample", sampling.modes), _sample_rows, logits_sv, self._place(sampling), positions_s)
-
-    def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array) -> jax.stages.Lowered:
-        """The decode step (without the sampler) lowered for these arguments (to compile with other
-        options, or inspect); its compiled form takes `(self.params, cache, last_tokens, active)` and returns
-        `(cache, logits [slots, vocab], positions [slots])`."""
-        return _decode.lower(self._static, self.params, cache,
-                             *self._put(jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)))
-
-    def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
-                sampling: SamplingArrays, pad_slots: Sequence[int] = (),
-                spliced: Sequence[Spliced | None] | None = None) -> tuple[Cache, Sampled]:
-        """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token.
-
-        `sampling` has one row per cache slot, and so has the result: row `slots[i]` is prompt i's token
-        (other rows mean nothing). `pad_slots` are extra distinct slots that ride along unchanged (to keep
-        the row count, hence the compiled shape, within a few buckets). `spliced` (one entry per prompt, or
-        None) gives embeddings that replace the token embeddings at some of a prompt's positions (images at
-        their placeholders); a chunk without any runs the text-only program.
-        """
-        rows = list(slots) + list(pad_slots)
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"prefill slots must be distinct, got {rows}")
-        n = len(rows)
-        spliced = _check_spliced(spliced, prompts, self.cfg.hidden_size)
-        lengths = np.zeros(n, np.int64)
-        lengths[:len(prompts)] = [len(p) for p in prompts]
-        current = np.asarray(cache.lengths)[rows]
-        c = self.chunk_size
-        n_chunks = max(1, -(-int(lengths.max()) // c))
-        padded = np.zeros((n, n_chunks * c), np.int32)
-        for i, p in enumerate(prompts):
-            padded[i, :len(p)] = p
-        is_prompt = np.arange(n) < len(prompts)
-        (slot_ids,) = self._put(np.asarray(rows, np.int32))
-        logits_sv, positions_s = self._new_logits(), None
-        for k in range(n_chunks):
-            n_valid = np.clip(lengths - k * c, 0, c)
-            start = np.where(is_prompt, np.minimum(k * c, lengths), current)
-            ends_here = is_prompt & (lengths > k * c) & (lengths <= (k + 1) * c)
-            tokens, start, n_valid, ends_here = self._put(padded[:, k * c:(k + 1) * c], start.astype(np.int32),
-                                                          n_valid.astype(np.int32), ends_here)
-            chunk_spliced = _chunk_spliced(spliced, n, k * c, c)
-            if chunk_spliced is not None:
-                chunk_spliced = self._put(*chunk_spliced)
-            elif self.spliced_prefill:
-                chunk_spliced = self._no_splice_for(n)
-            cache, logits_sv, positions_s = self._call(
-                ("prefill", n, chunk_spliced is not None), self._prefill_jit,
-                self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here, chunk_spliced)
-        return cache, self._call(("sample", sampling.modes), _sample_rows, logits_sv, self._place(sampling), positions_s)
-
-    def _no_splice_for(self, rows: int) -> tuple[jax.Array, jax.Array]:
-        """Spliced-prefill inputs that splice nothing, kept on the device (made once per row bucket)."""
-        if rows not in self._no_splice:
-            self._no_splice[rows] = self._put(np.zeros((rows, self.chunk_size, self.cfg.hidden_size), np.float32),
-                                              np.zeros((rows, self.chunk_size), bool))
-        return self._no_splice[rows]
-
-    def precompile(self, images: bool = False, modes: Sequence[SamplingModes] = SAMPLER_MODES,
-                   buckets: Sequence[int] | None = None, threads: int | None = None,
-                   later: Sequence[int] = ()) -> int:
-        """Build every program a run of this engine can need before it starts: the empty cache, the
-        decode step, the prefill chunk for each row count of `buckets` (default: all, `prefill_buckets`),
-        and the sampler for each of `modes`. With `images` the prefill programs are those that take
-        spliced embeddings, and every later prefill runs them (`spliced_prefill`). Programs found in
-        `self.programs` are loaded; the others are lowered one after another and compiled in `threads`
-        threads (default: one per program, at most the CPU count), then stored there. Steps then call
-        them directly. Returns the number of programs. (The image encoder compiles per image size bucket
-        as images arrive: image sizes are not bounded ahead.)
-
-        `later` names more prefill row buckets, built (or loaded) in a background thread once the others
-        are ready, smallest first, while the engine runs: the set of programs is fixed here, and until a
-        bucket is ready a prefill takes the smallest ready one that holds its rows (`prefill_size`).
-        `close()` stops that thread after the program it is building."""
-        self.spliced_prefill = self.spliced_prefill or images
-        shapes = jax.eval_shape(lambda: init_cache(self.model, self.num_slots, self.max_len, self.cache_dtype,
-                                                   self.kv_dtype))
-        specs = _cache_specs(shapes) if jax.sharding.get_mesh().axis_names else jax.tree.map(
-            lambda _: jax.sharding.PartitionSpec(), shapes)
-        cache = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._placed(p)),
-                             shapes, specs)
-        self._new_logits()  # a broadcast, run once: the program is tiny
-        logits = jax.ShapeDtypeStruct((self.num_slots, self.cfg.vocab_size), jnp.float32,
-                                      sharding=self._placed(jax.sharding.PartitionSpec()))
-        positions = jax.ShapeDtypeStruct((self.num_slots,), jnp.int32, sharding=logits.sharding)
-        n, c = self.num_slots, self.chunk_size
-        # (slot, jitted function, its static arguments, the arguments its compiled form takes)
-        todo = [(("new_cache",), _new_cache, self._cache_args(), (self.params,)),
-                (("decode",), _decode, (self._static,),
-                 (self.params, cache, *self._put(np.zeros(n, np.int32), np.zeros(n, bool))))]
-        def prefill(rows):
-            ids = np.zeros(rows, np.int32)
-            spliced = self._no_splice_for(rows) if self.spliced_prefill else None
-            return (("prefill", rows, spliced is not None), _prefill_chunk, (self._static,),
-                    (self.params, cache, logits, *self._put(np.zeros((rows, c), np.int32), ids, ids, ids,
-                                                            np.zeros(rows, bool)), spliced))
-
-        now = set(prefill_buckets(n) if buckets is None else buckets)
-        todo += [prefill(rows) for rows in sorted(now, reverse=True)]
-        for m in modes:
-            sampling = dataclasses.replace(self._place(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
-                                           modes=m)
-            todo.append((("sample", m), _sample_rows, (), (logits, sampling, positions)))
-        build = [(slot, key, _lower(jitted, static, args)) for slot, key, jitted, static, args in self._unstored(todo)]
-        if build:
-            workers = threads or max(1, min(len(build), os.cpu_count() or 1))
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                built = list(pool.map(lambda item: compile_for_store(item[2]), build))  # XLA: outside the GIL
-            for (slot, key, _), compiled in zip(build, built):
-                self._keep(slot, key, *compiled)
-        rest = sorted(set(later) - now)
-        missing = self._unstored(map(prefill, rest))  # stored ones load now: it takes little
-        if missing:
-            with self._ready:
-                self._later |= {slot[1] for slot, *_ in missing}
-            self.background = threading.Thread(target=self._build_later, args=(missing, jax.sharding.get_mesh()),
-                                               name=BACKGROUND_THREAD)
-            self.background.start()
-        return len(todo) + len(rest)
-
-    def _unstored(self, todo) -> list[tuple]:
-        """Of `todo`'s (slot, jitted, static, args), load those `self.programs` holds into the steps' table;
-        the others as (slot, key, jitted, static, args), key None without a store."""
-        missing = []
-        for slot, jitted, static, args in todo:
-            key = self._program_key(slot, args) if self.programs is not None else None
-            t = time.perf_counter()
-            compiled = self.programs.load(key) if key is not None else None
-            if compiled is None:
-                missing.append((slot, key, jitted, static, args))
-                continue
-            self._compiled[slot] = compiled
-            self.programs_loaded += 1
-            self.load_seconds += time.perf_counter() - t
-        return missing
-
-    def _keep(self, slot: tuple, key: str | None, compiled: jax.stages.Compiled, fresh: bool) -> None:
-        """A program just built: into the steps' table, and into the store if XLA compiled it here."""
-        if key is not None and fresh:
-            self.programs.save(key, compiled)
-        self._compiled[slot] = compiled
-
-    def _build_later(self, todo: list, mesh) -> None:
-        """`precompile`'s background thread: each later prefill bucket lowered, compiled and stored in
-        turn, and handed to the steps as it is ready."""
-        # Tracing and lowering hold the GIL: the engine's own thread, which needs it for a moment per step,
-        # gets it back within a tenth of a millisecond rather than Python's default 5 ms.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, 1e-4))
-        try:
-            with jax.set_mesh(mesh) if mesh.axis_names else contextlib.nullcontext():  # the mesh is per thread
-                for slot, key, jitted, static, args in todo:
-                    if self._stop.is_set():
-                        break
-                    lowered = _lower(jitted, static, args)
-                    if self._stop.is_set():  # stopped while lowering: no compile for the process to wait for
-                        break
-                    self._keep(slot, key, *compile_for_store(lowered))  # storing it outside the lock
-                    with self._ready:
-                        self._later.discard(slot[1])
-                        self.background_built += 1
-                        self._ready.notify_all()
-        finally:
-            sys.setswitchinterval(interval)
-            with self._ready:  # whatever is left will not come: a prefill must not wait for it
-                self._later.clear()
-                self._ready.notify_all()
-
-    def prefill_size(self, n: int) -> int:
-        """The rows a prefill of `n` new requests runs: `prefill_rows(n)`, or the smallest larger bucket
-        that is ready while that one is still being built in the background (it waits only when no ready
-        bucket holds `n` rows)."""
-        want = prefill_rows(n, self.num_slots)
-        with self._ready:
-            while True:
-                ready = [slot[1] for slot in list(self._compiled)
-                         if slot[0] == "prefill" and slot[2] == self.spliced_prefill and slot[1] >= want]
-                if want in ready:
-                    return want
-                if ready:
-                    return min(ready)
-                if not self._later:  # none was precompiled: jit compiles it
-                    return want
-                self._ready.wait()
-
-    def pending_buckets(self) -> list[int]:
-        """The prefill buckets still being built in the background."""
-        with self._ready:
-            return sorted(self._later)
-
-    def close(self) -> None:
-        """Stop building later buckets after the one in progress (which is still stored)."""
-        self._stop.set()
-
-    def _program_key(self, slot: tuple, args: tuple) -> str | None:
-        """The store's key for program `slot` of this engine called with `args`: the model's structure and
-        the engine's shapes (not for the sampler, which holds neither), the mesh in context and the inputs
-        (`programs.describe`). None on several processes, where programs are not stored (each process
-        compiles for its own devices)."""
-        if jax.process_count() > 1:
-            return None
-        if self._identity is None:
-            graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
-            self._identity = (graph, repr(self.cfg), self.num_slots, self.max_len, self.chunk_size,
-                              repr(self.cache_dtype), self.kv_dtype)
-        mesh = jax.sharding.get_mesh()
-        if slot[0] == "sample":  # the sampler holds nothing of the model or the cache: engines share it
-            return self.programs.key(slot, repr(mesh), describe(args))
-        return self.programs.key(self._identity, slot, repr(mesh), describe(args))
-
-
-def _lower(jitted, static: tuple, args: tuple) -> jax.stages.Lowered:
-    """`jitted` lowered for its static arguments and `args` (for `_new_cache`, whose statics surround its
-    one array argument, `static` is its whole argument list)."""
-    if jitted is _new_cache:
-        return jitted.lower(*static)
-    return jitted.lower(*static, *args)
-
-
-@dataclasses.dataclass(frozen=True)
-class Spliced:
-    """Embeddings `[P, hidden]` that replace a prompt's token embeddings at `positions` `[P]`."""
-
-    positions: np.ndarray
-    embeds: np.ndarray
-
-
-def _check_spliced(spliced, prompts, hidden: int) -> list[Spliced | None] | None:
-    if spliced is None or all(s is None for s in spliced):
-        return None
-    if len(spliced) != len(prompts):
-        raise ValueError(f"spliced has {len(spliced)} entries for {len(prompts)} prompts")
-    for i, (s, p) in enumerate(zip(spliced, prompts)):
-        if s is None:
-            continue
-        pos = np.asarray(s.positions)
-        if pos.ndim != 1 or s.embeds.shape != (len(pos), hidden):
-            raise ValueError(f"prompt {i}: spliced embeddings {s.embeds.shape} must be [{len(pos)}, {hidden}] "
-                             f"for its {len(pos)} positions")
-        if len(pos) and (pos.min() < 0 or pos.max() >= len(p) or len(np.unique(pos)) != len(pos)):
-            raise ValueError(f"prompt {i}: spliced positions must be distinct and within its {len(p)} tokens")
-    return list(spliced)
-
-
-def _chunk_spliced(spliced, n: int, first: int, c: int):
-    """(embeds `[n, c, hidden]`, mask `[n, c]`) for the chunk at `first`, or None if nothing lands in it."""
-    if spliced is None:
-        return None
-    hits = []
-    for i, s in enumerate(spliced):
-        if s is not None:
-            pos = np.asarray(s.positions)
-            at = (pos >= first) & (pos < first + c)
-            if at.any():
-                hits.append((i, pos[at] - first, s.embeds[at]))
-    if not hits:
-        return None
-    embeds = np.zeros((n, c, hits[0][2].shape[-1]), np.float32)
-    mask = np.zeros((n, c), bool)
-    for i, cols, rows in hits:
-        embeds[i, cols], mask[i, cols] = rows, True
-    return embeds, mask
-
-
-def _cache_specs(cache: Cache):
+def cache_specs(cache: Cache):
     """Partition specs of the cache on the context mesh: slots split by the rules (axis 1 of the group
     arrays, under the stacked-layer axis); the lengths replicated, since the host reads them."""
     axes = slot_axes(jax.sharding.get_abstract_mesh(), cache.lengths.shape[0])
@@ -498,12 +62,12 @@ def _cache_specs(cache: Cache):
                  groups=jax.tree.map(lambda x: jax.sharding.PartitionSpec(None, slots), cache.groups))
 
 
-def _constrain(cache: Cache) -> Cache:
+def constrain_cache(cache: Cache) -> Cache:
     """The cache a step returns, laid out as it came in (so donation reuses the buffers and the next
     step sees the same shardings); the lengths replicated for the host. A no-op without a mesh."""
     if not jax.sharding.get_abstract_mesh().axis_names:
         return cache
-    return jax.lax.with_sharding_constraint(cache, _cache_specs(cache))
+    return jax.lax.with_sharding_constraint(cache, cache_specs(cache))
 
 
 def _for_host(tree):
@@ -516,7 +80,7 @@ def _for_host(tree):
 
 def _decode_logits(graphdef, params, cache: Cache, last_tokens_b, active_b):
     """Each active slot's next-token logits `[slots, vocab]` (float32) after feeding it its last token."""
-    model = nnx.merge(_graph(graphdef), params)
+    model = nnx.merge(graph_of(graphdef), params)
     hidden_b1h, cache = model.extend(last_tokens_b[:, None], cache, cache.lengths, active_b.astype(jnp.int32))
     return cache, model.logits(hidden_b1h)[:, 0].astype(jnp.float32)
 
@@ -524,7 +88,7 @@ def _decode_logits(graphdef, params, cache: Cache, last_tokens_b, active_b):
 def _prefill_logits(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, spliced=None):
     """One prefill chunk of rows `slots_n`: the cache with their tokens written, and each row's logits
     `[n, vocab]` (float32) after its last valid token of the chunk."""
-    model = nnx.merge(_graph(graphdef), params)
+    model = nnx.merge(graph_of(graphdef), params)
     part = take_slots(cache, slots_n)
     hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced)
     last = jnp.clip(n_valid_n - 1, 0, tokens_nc.shape[1] - 1)
@@ -538,7 +102,7 @@ def decode_step(graphdef, params, cache: Cache, last_tokens_b, active_b, samplin
     the engine runs the two as separate programs): the sampled token of every slot."""
     start_b = cache.lengths
     cache, logits_bv = _decode_logits(graphdef, params, cache, last_tokens_b, active_b)
-    return _constrain(cache), _for_host(sample(logits_bv, sampling, start_b + 1))
+    return constrain_cache(cache), _for_host(sample(logits_bv, sampling, start_b + 1))
 
 
 def prefill_step(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, sampling: SamplingArrays,
@@ -546,7 +110,7 @@ def prefill_step(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_
     """One prefill chunk and the sampler as one function (`dsjax export`, `dsjax plan`): `sampling` and
     the result have one row per chunk row."""
     cache, logits_nv = _prefill_logits(graphdef, params, cache, tokens_nc, slots_n, start_n, n_valid_n, spliced)
-    return _constrain(cache), _for_host(sample(logits_nv, sampling, start_n + n_valid_n))
+    return constrain_cache(cache), _for_host(sample(logits_nv, sampling, start_n + n_valid_n))
 
 
 # Each with the sampler in the same program, as `dsjax plan` measures and `dsjax export` writes them.
@@ -555,35 +119,33 @@ prefill_program = jax.jit(prefill_step, static_argnums=0, donate_argnums=2)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _decode(graphdef, params, cache: Cache, last_tokens_b, active_b):
+def decode(graphdef, params, cache: Cache, last_tokens_b, active_b):
+    """The engine's decode step: (cache, logits `[slots, vocab]`, positions `[slots]`)."""
     cache, logits_bv = _decode_logits(graphdef, params, cache, last_tokens_b, active_b)
     # The positions the sampled tokens will take (the new lengths, for active slots), as an output of
     # their own: the next step donates the cache while the sampler may still read them.
-    return _constrain(cache), *_for_host((logits_bv, cache.lengths + 0))
+    return constrain_cache(cache), *_for_host((logits_bv, cache.lengths + 0))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill_chunk(graphdef, params, cache: Cache, logits_sv, tokens_nc, slots_n, start_n, n_valid_n, ends_n,
-                   spliced=None):
-    """A prefill chunk; the logits of rows whose prompt ends in it land in their slot's row of `logits_sv`."""
+def prefill_chunk(graphdef, params, cache: Cache, logits_sv, tokens_nc, slots_n, start_n, n_valid_n, ends_n,
+                  spliced=None):
+    """A prefill chunk; the logits of rows whose prompt ends in it land in their slot's row of `logits_sv`.
+    Returns (cache, logits `[slots, vocab]`, positions `[slots]`)."""
     cache, logits_nv = _prefill_logits(graphdef, params, cache, tokens_nc, slots_n, start_n, n_valid_n, spliced)
     logits_sv = logits_sv.at[slots_n].set(jnp.where(ends_n[:, None], logits_nv, logits_sv[slots_n]))
-    return _constrain(cache), *_for_host((logits_sv, cache.lengths + 0))
+    return constrain_cache(cache), *_for_host((logits_sv, cache.lengths + 0))
 
 
 @jax.jit
-def _sample_rows(logits_sv, sampling: SamplingArrays, positions_s) -> Sampled:
+def sample_rows(logits_sv, sampling: SamplingArrays, positions_s) -> Sampled:
     """The sampler as a program of its own: one per `SamplingModes` (a static part of `sampling`)."""
     return _for_host(sample(logits_sv, sampling, positions_s))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4, 5))
-def _new_cache(graphdef, params, num_slots: int, max_len: int, cache_dtype, kv_dtype) -> Cache:
-    model = nnx.merge(_graph(graphdef), params)
-    return _constrain(init_cache(model, num_slots, max_len, cache_dtype, kv_dtype))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _encode_cells(graphdef, fused, params, patches_nk, row_n, col_n, valid_n):
-    encoder = nnx.merge(_graph(graphdef), params).vision
-    return (encoder.cells(patches_nk, row_n, col_n, valid_n, fused=fused), *encoder.frame())
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def new_cache(graphdef, num_slots: int, max_len: int, kv_dtype: str | None, params) -> Cache:
+    """An empty cache of the model's float dtype, laid out as `cache_specs` says. The statics come first,
+    as in the other steps, so that every step lowers as `step.lower(*statics, *arrays)`."""
+    model = nnx.merge(graph_of(graphdef), params)
+    return constrain_cache(init_cache(model, num_slots, max_len, kv_dtype=kv_dtype))

@@ -5,19 +5,19 @@ recipe's (`deepseek-recipe` resolves and preprocesses images to W×H pixels, mul
 `rows·(cols + 1) + 2` input tokens per image, see `config.VisionConfig`):
 
 1. the image is cut into 14-pixel patches, grouped by 3×3 cells (the grid padded up to whole cells
-   with masked patches), so that the 9 patches of one cell are neighbours in the sequence;
+   with masked patches), so that the 9 patches of one cell are neighbours in the sequence (on the host:
+   `dsjax.engine.pixels.patchify`);
 2. a ViT (pre-norm blocks, 2-D rotary positions: half of each head's channels turn with the patch's
    row, half with its column) runs over the valid patches of the image;
 3. each cell's 9 patch vectors are concatenated and projected by a 2-layer MLP to the decoder's width;
 4. a learned row-end embedding closes each row of cells, learned image-begin and image-end embeddings
    open and close the image.
 
-Shapes depend on the image's size, so one compiled program serves one size.
+Shapes depend on the image's size, so one compiled program serves one size (the engine pads images to
+a few sizes: `dsjax.engine.encoder`).
 """
 
 from __future__ import annotations
-
-import io
 
 import jax
 import jax.numpy as jnp
@@ -30,56 +30,10 @@ from dsjax.layers.norms import RMSNorm
 from dsjax.numerics import einsum
 from dsjax.layers.rope import apply_rope
 
-# Pixel values map to [-1, 1].
-_PIXEL_SCALE = 2.0 / 255.0
 # Queries per block of the encoder's attention: a block's fp32 scores are heads·QUERY_BLOCK·N, not
 # heads·N² (4.9 GB per layer for the 8,712 patches of a 1848×924 image at 16 heads, 0.57 GB in blocks
 # of 1024), so encoding an image fits beside a decoder that fills the device.
 QUERY_BLOCK = 1024
-
-
-class ImageError(ValueError):
-    """An image the encoder cannot read: undecodable, or not the size the recipe's preprocessing gives."""
-
-
-def decode_image(data: bytes, vision: VisionConfig) -> np.ndarray:
-    """The RGB pixels `[H, W, 3]` uint8 of one preprocessed image (the recipe's WebP bytes, or any
-    format Pillow reads). Raises ImageError when it cannot be decoded or its sides are not multiples
-    of the patch size (an image that did not go through the recipe's preprocessing)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            pixels = np.asarray(img.convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ImageError(f"cannot decode the image ({len(data)} bytes): {e}") from None
-    h, w = pixels.shape[:2]
-    p = vision.patch_size
-    if h % p or w % p or not h or not w:
-        raise ImageError(f"image is {w}x{h} pixels; the encoder takes sides that are positive multiples of "
-                         f"{p} (preprocess it with deepseek-recipe's ImageResolver)")
-    return pixels
-
-
-def patchify(pixels_hwc: np.ndarray, vision: VisionConfig) -> dict[str, np.ndarray]:
-    """Cut `[H, W, 3]` uint8 pixels into the encoder's input, cell by cell (host side, numpy).
-
-    Returns `patches` `[N, p·p·3]` float32 (N = rows·cols·m², m the merge size; rows of pixels, then
-    columns, then channels within a patch), the patch-grid `row` and `col` of each `[N]` int32, and
-    `valid` `[N]` bool (False for the padding that completes the last row and column of cells)."""
-    p, m = vision.patch_size, vision.merge_size
-    h, w = pixels_hwc.shape[:2]
-    rows, cols = vision.grid(w, h)
-    grid_h, grid_w = rows * m, cols * m
-    padded = np.zeros((grid_h * p, grid_w * p, 3), np.float32)
-    padded[:h, :w] = pixels_hwc.astype(np.float32) * _PIXEL_SCALE - 1.0
-    # [rows, m, p, cols, m, p, 3] -> [rows, cols, m(i), m(j), p, p, 3]: a cell's patches adjacent
-    cells = padded.reshape(rows, m, p, cols, m, p, 3).transpose(0, 3, 1, 4, 2, 5, 6)
-    patches = cells.reshape(rows * cols * m * m, p * p * 3)
-    r, c, i, j = np.meshgrid(np.arange(rows), np.arange(cols), np.arange(m), np.arange(m), indexing="ij")
-    row, col = (r * m + i).reshape(-1).astype(np.int32), (c * m + j).reshape(-1).astype(np.int32)
-    valid = (row < h // p) & (col < w // p)
-    return {"patches": patches, "row": row, "col": col, "valid": valid}
 
 
 def rope_2d(row_n: jax.Array, col_n: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -177,8 +131,9 @@ class VisionEncoder(nnx.Module):
 
     def cells(self, patches_nk: jax.Array, row_n: jax.Array, col_n: jax.Array, valid_n: jax.Array,
               query_block: int = QUERY_BLOCK, fused: bool = False) -> jax.Array:
-        """`patchify`'s arrays (N patches, cell by cell) → one embedding per cell `[N / m², hidden]`. Whole
-        padding cells (all patches invalid) may follow the image's: they do not change its cells.
+        """`engine.pixels.patchify`'s arrays (N patches, cell by cell) → one embedding per cell
+        `[N / m², hidden]`. Whole padding cells (all patches invalid) may follow the image's: they do not
+        change its cells.
         `query_block`: queries per block of the attention (`attend`); `fused`: cuDNN's fused attention
         instead (NVIDIA GPUs; `fused_attention_fits`), the valid patches moved first for it."""
         v = self.vision
@@ -215,14 +170,6 @@ class VisionEncoder(nnx.Module):
         cell_ce = self.cells(patches_nk, row_n, col_n, valid_n)
         return layout(cell_ce, rows, cols, *(e.astype(cell_ce.dtype) for e in self.frame()), xp=jnp)
 
-    def encode(self, pixels_hwc: np.ndarray) -> jax.Array:
-        """One image's embeddings from its `[H, W, 3]` uint8 pixels (`decode_image`)."""
-        h, w = pixels_hwc.shape[:2]
-        rows, cols = self.vision.grid(w, h)
-        a = patchify(pixels_hwc, self.vision)
-        return self(jnp.asarray(a["patches"]), jnp.asarray(a["row"]), jnp.asarray(a["col"]),
-                    jnp.asarray(a["valid"]), rows, cols)
-
 
 def layout(cell_ce, rows: int, cols: int, begin_e, row_end_e, end_e, xp=np):
     """The image's embeddings in prompt order: `[begin, row 0's cells, row end, row 1's cells, row end, …,
@@ -231,20 +178,3 @@ def layout(cell_ce, rows: int, cols: int, begin_e, row_end_e, end_e, xp=np):
     grid_rce = cell_ce[:rows * cols].reshape(rows, cols, e)
     body = xp.concatenate([grid_rce, xp.broadcast_to(row_end_e, (rows, 1, e))], axis=1).reshape(rows * (cols + 1), e)
     return xp.concatenate([begin_e[None], body, end_e[None]], axis=0)
-
-
-def cell_bucket(cells: int) -> int:
-    """The number of cells an image is padded to before encoding: the least m·2^k ≥ `cells` with
-    8 ≤ m < 16 (at most 1/8 padding), so images of many sizes share few compiled programs."""
-    if cells <= 8:
-        return cells
-    k = max(cells.bit_length() - 4, 0)
-    return -(-cells // (1 << k)) * (1 << k)
-
-
-def pad_cells(arrays: dict[str, np.ndarray], cells: int, vision: VisionConfig) -> dict[str, np.ndarray]:
-    """`patchify`'s arrays padded with whole invalid cells up to `cells` cells."""
-    extra = cells * vision.merge_size ** 2 - len(arrays["valid"])
-    if extra < 0:
-        raise ValueError(f"{len(arrays['valid'])} patches do not fit {cells} cells")
-    return {k: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)]) for k, a in arrays.items()}

@@ -27,7 +27,7 @@ from flax import nnx
 
 from dsjax.batch.jobfile import ErrorInfo, InputLine
 from dsjax.batch.recipe import Recipe
-from dsjax.layers.vision import decode_image, patchify
+from dsjax.engine.pixels import decode_image, patchify
 from dsjax.model import DeepseekV4
 
 COLOURS = {"red": (215, 35, 35), "green": (35, 165, 50), "blue": (35, 70, 215), "yellow": (235, 215, 40),

@@ -3,7 +3,8 @@ one model and shape share compiled programs."""
 
 import pytest
 
-from dsjax.engine.steps import Engine
+from dsjax.engine.engine import Engine
+from dsjax.run_config import RunConfig
 
 _ENGINES = {}
 
@@ -14,6 +15,6 @@ def engine_for(load_case):
     def get(case: str, slots: int = 4) -> Engine:
         key = (case, slots)
         if key not in _ENGINES:
-            _ENGINES[key] = Engine(load_case(case), num_slots=slots, max_len=96, chunk_size=8)
+            _ENGINES[key] = Engine(load_case(case), RunConfig(slots=slots, max_len=96, chunk_size=8))
         return _ENGINES[key]
     return get

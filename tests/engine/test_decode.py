@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from dsjax.engine.compiles import CompileClock
+from dsjax.engine.engine import Engine
 from dsjax.engine.generate import generate
 from dsjax.engine.sampling import SamplingParams
-from dsjax.engine.steps import Engine
+from dsjax.run_config import RunConfig
 from tests.helpers import assert_close
 
 
@@ -67,7 +68,7 @@ def test_hundred_prompts_refill_slots_with_fixed_compilations(load_case):
     prompts = [list(rng.integers(0, model.cfg.vocab_size, rng.integers(1, 60))) for _ in range(100)]
     sampling = [SamplingParams(temperature=float(rng.random() < 0.5), max_tokens=int(rng.integers(1, 12)),
                                stop_token_ids=[int(rng.integers(0, 256))]) for _ in prompts]
-    engine = Engine(model, num_slots=8, max_len=72, chunk_size=16)
+    engine = Engine(model, RunConfig(slots=8, max_len=72, chunk_size=16))
     engine.precompile()
     before = engine.compilations()
     with CompileClock() as clock:

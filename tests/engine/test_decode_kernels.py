@@ -8,11 +8,12 @@ import pytest
 from flax import nnx
 
 from dsjax.config import ModelConfig
+from dsjax.engine.engine import Engine
 from dsjax.engine.generate import generate
 from dsjax.engine.sampling import SamplingParams
-from dsjax.engine.steps import Engine
-from dsjax.model import DeepseekV4
+from dsjax.model import DeepseekV4, with_kernels
 from dsjax.presets import PRESETS
+from dsjax.run_config import RunConfig
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -22,7 +23,7 @@ def model(kernels: str, dtype, wide: bool = False) -> DeepseekV4:
     attention kernel takes."""
     hf = {**PRESETS["tiny-kernels"], **({"num_attention_heads": 64, "head_dim": 512, "partial_rotary_factor": 1 / 8}
                                         if wide else {})}
-    m = DeepseekV4(ModelConfig.from_hf(hf).replace(kernels=kernels), rngs=nnx.Rngs(3), dtype=dtype)
+    m = with_kernels(DeepseekV4(ModelConfig.from_hf(hf), rngs=nnx.Rngs(3), dtype=dtype), kernels)
     # Random sinks and compressor biases: the init's zeros would hide a sink or gate handled wrongly.
     for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param)):
         if path[-1] in ("sinks", "position_bias"):
@@ -32,7 +33,7 @@ def model(kernels: str, dtype, wide: bool = False) -> DeepseekV4:
 
 def step_jaxpr(m: DeepseekV4, kv_dtype, chunk: int) -> str:
     """The traced cache step for one token per slot (decode) or a chunk (prefill)."""
-    engine = Engine(m, num_slots=2, max_len=64, chunk_size=16, kv_dtype=kv_dtype)
+    engine = Engine(m, RunConfig(slots=2, max_len=64, chunk_size=16, kv_dtype=kv_dtype))
     ones = jnp.ones((2,), jnp.int32)
     return str(jax.make_jaxpr(lambda c: m.extend(jnp.ones((2, chunk), jnp.int32), c, ones * 40, ones * chunk))(
         engine.new_cache()))
@@ -43,7 +44,7 @@ def greedy_through_extend(m: DeepseekV4, prompts, steps: int, kv_dtype) -> tuple
     directly (the CPU form: the engine's row-count buckets would each compile again). Returns the
     tokens `[B, steps]`, their logprobs and the margins to the runner-up."""
     graphdef, params = nnx.split(m)
-    cache = Engine(m, num_slots=len(prompts), max_len=64, kv_dtype=kv_dtype).new_cache()
+    cache = Engine(m, RunConfig(slots=len(prompts), max_len=64, kv_dtype=kv_dtype)).new_cache()
 
     @jax.jit
     def step(params, cache, tokens_bc, start_b, n_valid_b):
@@ -86,7 +87,8 @@ def test_greedy_decode_with_kernels_gives_the_references_tokens(kv_dtype, dtype,
             # bf16 rows and 64 heads of 512: CSA and sliding layers decode through the Mosaic kernel.
             assert ("dsjax_sparse_decode_mosaic" in decode) == wide
         if ON_GPU:
-            engine = Engine(m, num_slots=len(prompts), max_len=80 + steps, chunk_size=16, kv_dtype=kv_dtype)
+            engine = Engine(m, RunConfig(slots=len(prompts), max_len=80 + steps, chunk_size=16, kv_dtype=kv_dtype,
+                                         kernels=k))
             out[k] = [(r.tokens, np.asarray([lp.logprob for lp in r.logprobs]),
                        [np.subtract(*sorted((v for _, v in lp.top), reverse=True)[:2]) for lp in r.logprobs])
                       for r in generate(m, prompts, sp, engine=engine)]

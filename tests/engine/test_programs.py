@@ -13,10 +13,11 @@ import pytest
 from dsjax.compile_cache import compile_cache
 from dsjax.engine import programs
 from dsjax.engine.compiles import CompileClock
+from dsjax.engine.engine import Engine
 from dsjax.engine.generate import generate
 from dsjax.engine.programs import ProgramStore, describe
 from dsjax.engine.sampling import SamplingParams
-from dsjax.engine.steps import Engine
+from dsjax.run_config import RunConfig
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -94,36 +95,36 @@ def model(load_case):
 def test_a_second_engine_loads_every_program_without_tracing_and_generates_the_same(model, tmp_path):
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
     sampling = [SamplingParams(temperature=0.0, max_tokens=4), SamplingParams(temperature=0.8, max_tokens=5, seed=3)]
-    first = Engine(model, num_slots=2, max_len=32, chunk_size=8, programs=ProgramStore(str(tmp_path)))
+    first = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8), programs=ProgramStore(str(tmp_path)))
     n = first.precompile()
     assert first.programs_loaded == 0 and len(os.listdir(tmp_path)) == n
     want = generate(model, prompts, sampling, engine=first)
 
-    second = Engine(model, num_slots=2, max_len=32, chunk_size=8, programs=ProgramStore(str(tmp_path)))
+    second = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8), programs=ProgramStore(str(tmp_path)))
     with CompileClock() as clock:
         assert second.precompile() == n
         got = generate(model, prompts, sampling, engine=second)
     assert second.programs_loaded == n and second.load_seconds > 0
     traced = {name for name, phases in clock.by_function.items() if "trace" in phases}
-    assert not traced & {"_decode", "_prefill_chunk", "_sample_rows", "_new_cache"}, traced
+    assert not traced & {"decode", "prefill_chunk", "sample_rows", "new_cache"}, traced
     assert clock.programs == 0 and second.fallbacks == 0
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
 def test_another_engine_shape_misses(model, tmp_path):
     store = ProgramStore(str(tmp_path))
-    Engine(model, num_slots=2, max_len=32, chunk_size=8, programs=store).precompile(buckets=[2])
-    longer = Engine(model, num_slots=2, max_len=40, chunk_size=8, programs=store)
+    Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8), programs=store).precompile(buckets=[2])
+    longer = Engine(model, RunConfig(slots=2, max_len=40, chunk_size=8), programs=store)
     longer.precompile(buckets=[2])
     assert longer.programs_loaded == 6  # the samplers only: they hold nothing of the model or the cache
-    again = Engine(model, num_slots=2, max_len=40, chunk_size=8, programs=store)
+    again = Engine(model, RunConfig(slots=2, max_len=40, chunk_size=8), programs=store)
     assert again.precompile(buckets=[2]) == again.programs_loaded == 9
 
 
 def test_a_precompiled_program_refusing_its_inputs_falls_back_to_jit(model):
     """A program checks its inputs before it runs; refused (other shapes, placements), the call goes
     through jit, which compiles its own, and the engine counts it."""
-    engine = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    engine = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8))
     engine._compiled[("scaled",)] = _compiled(3, 4)
     jitted = functools.partial(_scaled, 3)
     out, _ = engine._call(("scaled",), jitted, jnp.ones(4), jnp.zeros(4))
@@ -143,11 +144,11 @@ def test_a_program_jax_loaded_from_its_own_cache_is_not_stored(tmp_path):
 
 
 def test_later_buckets_that_are_stored_load_at_once_with_no_background(model, tmp_path):
-    first = Engine(model, num_slots=2, max_len=32, chunk_size=8, programs=ProgramStore(str(tmp_path)))
+    first = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8), programs=ProgramStore(str(tmp_path)))
     n = first.precompile(buckets=[2], later=[1])
     first.background.join(timeout=300)
     assert first.background_built == 1 and len(os.listdir(tmp_path)) == n  # stored by the background too
-    second = Engine(model, num_slots=2, max_len=32, chunk_size=8, programs=ProgramStore(str(tmp_path)))
+    second = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8), programs=ProgramStore(str(tmp_path)))
     assert second.precompile(buckets=[2], later=[1]) == second.programs_loaded == n
     assert second.background is None and second.pending_buckets() == [] and second.prefill_size(1) == 1
 

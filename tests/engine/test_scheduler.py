@@ -4,9 +4,11 @@ row buckets."""
 import itertools
 
 from dsjax.engine.compiles import CompileClock
+from dsjax.engine.engine import Engine
 from dsjax.engine.generate import generate
 from dsjax.engine.sampling import SAMPLER_MODES, SamplingModes, SamplingParams
-from dsjax.engine.steps import Engine, prefill_buckets, prefill_rows
+from dsjax.engine.slots import prefill_buckets, prefill_rows
+from dsjax.run_config import RunConfig
 
 
 def test_every_mix_of_requests_has_its_sampler_program():
@@ -19,7 +21,7 @@ def test_every_mix_of_requests_has_its_sampler_program():
 
 def test_a_precompiled_engine_compiles_nothing_whatever_the_requests_ask(load_case):
     model = load_case("mixed")
-    engine = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    engine = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8))
     # the empty cache, decode, the prefill chunk per row bucket (1, 2) and the sampler per mix of modes
     assert engine.precompile() == 2 + len(prefill_buckets(2)) + len(SAMPLER_MODES) == 10
     asks = [SamplingParams(temperature=0.0, max_tokens=3, logprobs=2),
@@ -55,18 +57,18 @@ def _held_back(monkeypatch, rows_held: set[int]):
     """Make the background thread wait, before lowering each bucket in `rows_held`, until released."""
     import threading
 
-    from dsjax.engine import steps
+    from dsjax.engine import engine, steps
 
     gate, gate.reached = threading.Event(), threading.Event()
-    lower = steps._lower
+    lower = engine._lower
 
     def held(jitted, static, args):
-        if jitted is steps._prefill_chunk and args[3].shape[0] in rows_held:  # the chunk's tokens: [rows, c]
+        if jitted is steps.prefill_chunk and args[3].shape[0] in rows_held:  # the chunk's tokens: [rows, c]
             gate.reached.set()
             gate.wait(timeout=120)
         return lower(jitted, static, args)
 
-    monkeypatch.setattr(steps, "_lower", held)
+    monkeypatch.setattr(engine, "_lower", held)
     return gate
 
 
@@ -74,7 +76,7 @@ def test_later_buckets_build_in_the_background_and_a_prefill_meanwhile_takes_a_l
         load_case, monkeypatch):
     model = load_case("mixed")
     gate = _held_back(monkeypatch, {1})
-    engine = Engine(model, num_slots=4, max_len=32, chunk_size=8)
+    engine = Engine(model, RunConfig(slots=4, max_len=32, chunk_size=8))
     assert engine.precompile(buckets=[4], later=[1, 2]) == 2 + 1 + len(SAMPLER_MODES) + 2
     assert engine.pending_buckets() == [1, 2] and engine.prefill_size(1) == 4  # bucket 1 is held back
     prompts, asks = [[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=3)
@@ -95,7 +97,7 @@ def test_a_prefill_waits_for_a_bucket_only_when_no_ready_one_holds_its_rows(load
 
     model = load_case("mixed")
     gate = _held_back(monkeypatch, {2})
-    engine = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    engine = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8))
     engine.precompile(buckets=[1], later=[2])
     assert engine.prefill_size(1) == 1
     threading.Timer(0.5, gate.set).start()
@@ -107,7 +109,7 @@ def test_close_stops_the_background_and_drops_a_bucket_it_is_still_lowering(load
     """The process then waits for no compile: only one XLA has started is finished (and stored)."""
     model = load_case("mixed")
     gate = _held_back(monkeypatch, {1})
-    engine = Engine(model, num_slots=8, max_len=32, chunk_size=8)
+    engine = Engine(model, RunConfig(slots=8, max_len=32, chunk_size=8))
     engine.precompile(buckets=[8], later=[1, 2, 4], modes=SAMPLER_MODES[:1])
     assert gate.reached.wait(timeout=120)  # lowering bucket 1
     engine.close()

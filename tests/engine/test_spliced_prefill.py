@@ -10,10 +10,12 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.engine.compiles import CompileClock
+from dsjax.engine.engine import Engine, Spliced
+from dsjax.engine.pixels import cell_bucket, patchify
 from dsjax.engine.sampling import SamplingArrays, SamplingParams
 from dsjax.engine.scheduler import Request, run
-from dsjax.engine.steps import Engine, Spliced
 from dsjax.model import DeepseekV4
+from dsjax.run_config import RunConfig
 from tests.helpers import assert_close
 
 PLACEHOLDER = 7
@@ -49,7 +51,7 @@ def test_spliced_embeddings_act_as_the_tokens_they_carry(model):
     """Splicing token V's embedding at a placeholder gives what the prompt with V written there gives:
     the sampled tokens, their log-probabilities, and the cache."""
     prompts, plain, spliced = _case(model, np.random.default_rng(0))
-    engine = Engine(model, num_slots=4, max_len=32, chunk_size=8)
+    engine = Engine(model, RunConfig(slots=4, max_len=32, chunk_size=8))
     sampling = SamplingArrays.of([SamplingParams(temperature=0.0, logprobs=3)] * 3, range(3))
     got_cache, got = engine.prefill(engine.new_cache(), prompts, [0, 1, 2], sampling, spliced=spliced)
     want_cache, want = engine.prefill(engine.new_cache(), plain, [0, 1, 2], sampling)
@@ -70,7 +72,7 @@ def test_requests_with_spliced_embeddings_generate_as_the_plain_prompt(model):
 
     def tokens(reqs):
         out = {}
-        for ev in run(Engine(model, num_slots=2, max_len=32, chunk_size=8), reqs):
+        for ev in run(Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8)), reqs):
             out.setdefault(ev.index, []).append(ev.token)
         return out
 
@@ -82,7 +84,7 @@ def test_requests_with_spliced_embeddings_generate_as_the_plain_prompt(model):
 
 def test_text_only_prefill_runs_the_same_program(model):
     """`spliced` absent, or only None entries: the one text-only program, the same results."""
-    engine = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    engine = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8))
     sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * 2, range(2))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21]]
     _, a = engine.prefill(engine.new_cache(), prompts, [0, 1], sampling)
@@ -100,7 +102,7 @@ def test_text_only_prefill_runs_the_same_program(model):
     ([None, None], "2 entries for 1 prompts"),
 ])
 def test_bad_splices_are_refused(model, spliced, message):
-    engine = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    engine = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8))
     sampling = SamplingArrays.of([SamplingParams(temperature=0.0)], range(1))
     if all(s is None for s in spliced):
         spliced = [None, Spliced(np.array([0]), np.zeros((1, 64), np.float32))]
@@ -111,10 +113,8 @@ def test_bad_splices_are_refused(model, spliced, message):
 def test_images_encode_in_padded_buckets_as_they_would_alone():
     """`Engine.encode_image` pads an image with blank cells to its bucket: the embeddings are those of the
     encoder run on the image alone, and two sizes in one bucket share one compiled encoder."""
-    from dsjax.layers.vision import cell_bucket
-
     seeing = DeepseekV4(ModelConfig.preset("tiny-vision"), rngs=nnx.Rngs(5), dtype=jnp.float32)
-    engine = Engine(seeing, num_slots=2, max_len=64, chunk_size=8)
+    engine = Engine(seeing, RunConfig(slots=2, max_len=64, chunk_size=8))
     rng = np.random.default_rng(0)
     # 5x5 cells (the last row and column of cells partly padding patches) pad to 26 cells; 3x6 and 2x9
     # cells are 18 without padding, one bucket
@@ -124,11 +124,15 @@ def test_images_encode_in_padded_buckets_as_they_would_alone():
     for w, h in sizes:
         pixels = rng.integers(0, 256, (h, w, 3), np.uint8)
         got = engine.encode_image(pixels)
-        assert_close(got, np.asarray(seeing.vision.encode(pixels)), rtol=1e-5)
+        a = patchify(pixels, seeing.cfg.vision)
+        alone = seeing.vision(*(jnp.asarray(a[k]) for k in ("patches", "row", "col", "valid")),
+                              *seeing.cfg.vision.grid(w, h))
+        assert_close(got, np.asarray(alone), rtol=1e-5)
         assert got.shape == (seeing.cfg.vision.image_tokens(w, h), seeing.cfg.hidden_size)
     assert Engine.compilations() - before == 2
+    blind = DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no image encoder"):
-        Engine(DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0)), 1, 16).encode_image(pixels)
+        Engine(blind, RunConfig(slots=1, max_len=16)).encode_image(pixels)
 
 
 def test_an_image_job_runs_text_through_the_spliced_program_with_the_same_results(model):
@@ -136,9 +140,9 @@ def test_an_image_job_runs_text_through_the_spliced_program_with_the_same_result
     for an image job); a chunk of text then splices nothing and gives what the text-only program gives."""
     sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * 2, range(2))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21]]
-    text = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    text = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8))
     _, a = text.prefill(text.new_cache(), prompts, [0, 1], sampling)
-    images = Engine(model, num_slots=2, max_len=32, chunk_size=8)
+    images = Engine(model, RunConfig(slots=2, max_len=32, chunk_size=8))
     assert images.precompile(images=True, buckets=[2]) == 1 + 1 + 1 + 6
     with CompileClock() as clock:
         _, b = images.prefill(images.new_cache(), prompts, [0, 1], sampling)

@@ -12,7 +12,9 @@ from flax import nnx
 from PIL import Image
 
 from dsjax.config import ConfigError, ModelConfig, VisionConfig
-from dsjax.layers.vision import ImageError, VisionEncoder, decode_image, patchify
+from dsjax.engine.encoder import fused_vision
+from dsjax.engine.pixels import ImageError, cell_bucket, decode_image, pad_cells, patchify
+from dsjax.layers.vision import VisionEncoder
 
 TINY_VISION = VisionConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 
@@ -94,9 +96,9 @@ def _image_inputs(seed: int, h_patches: int, w_patches: int):
 
 def test_rows_end_and_the_image_is_framed(encoder):
     """`[begin, cells of row 0, row end, cells of row 1, row end, …, end]`."""
-    pixels, _ = _image_inputs(2, 7, 4)  # 3 rows of 2 cells
-    out = np.asarray(encoder.encode(pixels))
+    pixels, a = _image_inputs(2, 7, 4)  # 3 rows of 2 cells
     rows, cols = TINY_VISION.grid(pixels.shape[1], pixels.shape[0])
+    out = np.asarray(encoder(a["patches"], a["row"], a["col"], a["valid"], rows, cols))
     assert (rows, cols) == (3, 2) and out.shape == (3 * 3 + 2, 64)
     np.testing.assert_array_equal(out[0], np.asarray(encoder.image_begin[...]))
     np.testing.assert_array_equal(out[-1], np.asarray(encoder.image_end[...]))
@@ -199,8 +201,8 @@ def test_fused_path_moves_valid_patches_first_and_back(encoder, monkeypatch):
     monkeypatch.setattr(vision, "attend_fused", _xla_fused)
     monkeypatch.setattr(vision, "fused_attention_fits", lambda dtype, head_dim: True)
     _, a = _image_inputs(6, 5, 7)  # partial cells on two edges
-    padded = {k: jnp.asarray(v) for k, v in vision.pad_cells({k: np.asarray(v) for k, v in a.items()}, 8,
-                                                             TINY_VISION).items()}
+    padded = {k: jnp.asarray(v) for k, v in pad_cells({k: np.asarray(v) for k, v in a.items()}, 8,
+                                                      TINY_VISION).items()}
     assert not bool(padded["valid"].all()) and bool(padded["valid"][-1]) is False
     args = (padded["patches"], padded["row"], padded["col"], padded["valid"])
     want = np.asarray(encoder.cells(*args))
@@ -217,14 +219,10 @@ def test_fused_attention_is_refused_where_cudnn_would_not_take_it(encoder):
 def test_cudnn_attention_gives_the_blocked_attentions_cells():
     """On an NVIDIA GPU: the bf16 encoder through cuDNN's fused attention against the blocked XLA one, for
     an image with partial and padding cells; the engine picks the fused path there."""
-    from dsjax.engine.steps import Engine
-
     vision = VisionConfig(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512)
     cfg = ModelConfig.preset("tiny").replace(vision=vision)
     enc = VisionEncoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     pixels = np.random.default_rng(0).integers(0, 256, (40 * 14, 31 * 14, 3), dtype=np.uint8)
-    from dsjax.layers.vision import cell_bucket, pad_cells
-
     rows, cols = vision.grid(pixels.shape[1], pixels.shape[0])
     a = pad_cells(patchify(pixels, vision), cell_bucket(rows * cols), vision)
     args = [jnp.asarray(a[k]) for k in ("patches", "row", "col", "valid")]
@@ -234,4 +232,4 @@ def test_cudnn_attention_gives_the_blocked_attentions_cells():
     import dsjax
 
     model = dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    assert Engine(model, num_slots=1, max_len=8)._fused_vision()
+    assert fused_vision(model)

@@ -30,7 +30,7 @@ def test_runs_and_resumes(tmp_path, capsys):
     rows = [json.loads(line) for line in (work / "rows.jsonl").read_text().splitlines()]
     assert [r["per_device"] for r in rows] == [1, 2] and [r["batch"] for r in rows] == [8, 16]
     for r in rows:
-        assert r["mesh"] == {"dp": 1, "ep": 8, "tp": 1} and r["weights"] == "fp8"
+        assert r["mesh"] == {"dp": 1, "ep": 8, "tp": 1} and r["weights"] == "keep"
         assert r["compilations_after_warmup"] == 0 and r["decode_tokens_per_s"] > 0
         assert r["planned_bytes_per_device"] >= r["planned_weights"] + r["planned_cache"] > 0
         assert set(r["exchange_bytes_per_step"]) == {"gathered", "ragged_mean", "ragged_max"}

@@ -1,0 +1,447 @@
+"""`Engine`: one model's compiled steps over a cache of `RunConfig.slots` sequences, the programs built
+ahead of a run (`precompile`), in parallel and on a background thread, and kept in a `ProgramStore`.
+
+`decode` advances every active slot by one token; `prefill` fills the given slots from position 0,
+one fixed-size chunk at a time, so a prompt of any length runs through the same compiled chunk step.
+Both end in next-token logits for every slot, which the sampler program turns into `Sampled` rows
+(`engine/steps.py` holds the step functions). `Engine.precompile` builds every program a job can need
+before its first request, in parallel, so none is compiled mid-job.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import os
+import sys
+import threading
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsjax.cache import Cache, init_cache
+from dsjax.engine import encoder, steps
+from dsjax.engine.compiles import BACKGROUND_THREAD
+from dsjax.engine.programs import ProgramStore, compile_for_store, describe
+from dsjax.engine.sampling import SAMPLER_MODES, Sampled, SamplingArrays, SamplingModes, SamplingParams
+from dsjax.engine.slots import prefill_buckets, prefill_rows
+from dsjax.model import with_kernels
+from dsjax.run_config import RunConfig
+
+
+class Engine:
+    """Compiled steps for one model as `run` says: `run.slots` sequences of up to `run.max_len` tokens,
+    prompts prefilled `run.chunk_size` tokens at a time, the cache's K=V rows in `run.kv_dtype` (None: the
+    model's dtype, which the cache's other float arrays take; `dsjax.cache`). `run.dtype` and
+    `run.weights` say how the model was built; the engine runs the model's kernel-backed operations as
+    `run.kernels` says (`dsjax.model.with_kernels`, over the same weights); the mesh is
+    the one in context (`jax.set_mesh`), on which the model's variables are placed. `params` are the
+    model's weights (taken once; steps take them as an argument). `programs` keeps the programs
+    `precompile` builds on disk, so that a later process loads them without tracing
+    (`engine.programs`)."""
+
+    def __init__(self, model, run: RunConfig, programs: ProgramStore | None = None):
+        if not isinstance(run, RunConfig):
+            raise TypeError(f"Engine takes a RunConfig (slots, max_len, chunk_size, kv_dtype, ...), got {run!r}")
+        self.model = model = with_kernels(model, run.kernels)
+        self.cfg = model.cfg
+        self.run = run
+        # `precompile`'s programs, by (name, variant), called directly: they skip jit's tracing. Those of
+        # `programs` (a store on disk) are loaded from it when there, and stored when compiled.
+        self.programs = programs
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.fallbacks = 0  # calls whose inputs a precompiled program refused (then jit compiles its own)
+        self._identity: tuple | None = None  # what `_program_key` hashes of the model and engine
+        self.programs_loaded, self.load_seconds = 0, 0.0  # of `precompile`'s programs, from `programs`
+        # Prefill buckets `precompile(later=…)` left to a background thread, until each is ready.
+        self._later: set[int] = set()
+        self._ready = threading.Condition()
+        self._stop = threading.Event()
+        self.background: threading.Thread | None = None
+        self.background_built = 0
+        self.graphdef, self.params = nnx.split(model)
+        self._static = steps.StaticGraph(self.graphdef)
+        # The jitted steps with their statics bound, made once: `_call` falls back to them.
+        self._decode_jit = functools.partial(steps.decode, self._static)
+        self._prefill_jit = functools.partial(steps.prefill_chunk, self._static)
+        self._new_cache_jit = functools.partial(steps.new_cache, *self._cache_statics())
+        self._a_weight = jax.tree.leaves(self.params)[0]  # where the weights live (`_placed`)
+        # Set by `precompile(images=True)`: every prefill chunk then runs the program that takes spliced
+        # embeddings (with none for a chunk of text), so an image job compiles one program per row bucket.
+        self.spliced_prefill = False
+        self._no_splice: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows → zero embeddings and mask
+        # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
+        # context once, so every step would be traced again by the next engine. Import it before.
+        import tokamax  # noqa: F401
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences the cache holds (`run.slots`)."""
+        return self.run.slots
+
+    @property
+    def max_len(self) -> int:
+        """Tokens each sequence may reach, prompt and generated (`run.max_len`)."""
+        return self.run.max_len
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens of a prompt per prefill chunk (`run.chunk_size`)."""
+        return self.run.chunk_size
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """How the cache stores its K=V rows (`run.kv_dtype`; None: the model's dtype)."""
+        return self.run.kv_dtype
+
+    def _placed(self, spec: jax.sharding.PartitionSpec) -> jax.sharding.Sharding | None:
+        """Where a step's other inputs live: on the context mesh by `spec`, or else as the weights do (on
+        their device if they are committed to one; None: jax's default device, uncommitted). Every call of
+        a step then sees its inputs placed alike and reuses one compiled program, `precompile`'s."""
+        mesh = jax.sharding.get_mesh()
+        if mesh.axis_names:
+            return jax.sharding.NamedSharding(mesh, spec)
+        weight = self._a_weight
+        if not getattr(weight, "committed", False):
+            return None
+        if isinstance(weight.sharding, jax.sharding.NamedSharding):  # weights on a mesh, none in context
+            return jax.sharding.NamedSharding(weight.sharding.mesh, jax.sharding.PartitionSpec())
+        return weight.sharding if len(weight.sharding.device_set) == 1 else None
+
+    def _put(self, *arrays):
+        """Host inputs of a step, placed as `_placed` says. The scheduler passes the host's tokens to the
+        first decode step after a prefill and the step in flight's (already placed) to the others: placed
+        differently, the step would compile twice, the second time inside the decode loop."""
+        return self._place(tuple(jnp.asarray(a) for a in arrays))
+
+    def _place(self, tree):
+        """A pytree of device arrays (sampling rows, step inputs), placed as `_placed` says."""
+        placed = self._placed(jax.sharding.PartitionSpec())
+        return tree if placed is None else jax.device_put(tree, placed)
+
+    def _cache_statics(self) -> tuple:
+        """`steps.new_cache`'s static arguments: the graph and the cache's sizes."""
+        return self._static, self.num_slots, self.max_len, self.kv_dtype
+
+    def new_cache(self) -> Cache:
+        """An empty cache (one compiled program); under `jax.set_mesh` each device holds the slots the rules
+        give it."""
+        return self._call(("new_cache",), self._new_cache_jit, self.params)
+
+    def _new_logits(self) -> jax.Array:
+        return jnp.zeros((self.num_slots, self.cfg.vocab_size), jnp.float32,
+                         device=self._placed(jax.sharding.PartitionSpec()))
+
+    def _call(self, slot: tuple, jitted, *args):
+        """`jitted(*args)`, through the precompiled program `slot` when there is one. A program refuses
+        inputs of other shapes or placements before it runs (nothing donated yet): jit then compiles its
+        own, which the job's summary counts as compiled during generation."""
+        compiled = self._compiled.get(slot)
+        if compiled is not None:
+            try:
+                return compiled(*args)
+            except (TypeError, ValueError):
+                self.fallbacks += 1
+        return jitted(*args)
+
+    def encode_image(self, pixels_hwc: np.ndarray) -> np.ndarray:
+        """One image's embeddings `[image_tokens, hidden]` (float32, on the host) from its `[H, W, 3]`
+        uint8 pixels (`pixels.decode_image`), for `Spliced`. The image is padded with blank cells to
+        `pixels.cell_bucket` cells, so images of many sizes share a few compiled encoders
+        (`encoder.encode_image`)."""
+        return encoder.encode_image(self.model, self._static, self.params, pixels_hwc)
+
+    @staticmethod
+    def compilations() -> int:
+        """Programs compiled so far by the steps of every engine in this process. Engines of the same
+        model structure and shapes share them, so this stays constant once a job has warmed up."""
+        return sum(f._cache_size() for f in (steps.decode, steps.prefill_chunk, steps.sample_rows,
+                                             encoder.encode_cells, steps.new_cache))
+
+    def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
+               sampling: SamplingArrays) -> tuple[Cache, Sampled]:
+        """Feed each active slot its last token and sample the next; inactive slots are untouched.
+        `sampling` has one row per slot."""
+        cache, logits_sv, positions_s = self._call(("decode",), self._decode_jit, self.params,
+                                                   cache, *self._put(jnp.asarray(last_tokens, jnp.int32),
+                                                                     jnp.asarray(active, bool)))
+        return cache, self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
+                                 positions_s)
+
+    def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array) -> jax.stages.Lowered:
+        """The decode step (without the sampler) lowered for these arguments (to compile with other
+        options, or inspect); its compiled form takes `(self.params, cache, last_tokens, active)` and returns
+        `(cache, logits [slots, vocab], positions [slots])`."""
+        return steps.decode.lower(self._static, self.params, cache,
+                                  *self._put(jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)))
+
+    def lower_prefill(self, cache: Cache, rows: int) -> jax.stages.Lowered:
+        """The text-only prefill chunk of `rows` rows (without the sampler) lowered for this cache; its
+        compiled form takes `(self.params, cache, logits [slots, vocab], tokens [rows, chunk_size], slots
+        [rows], start [rows], n_valid [rows], ends [rows], None)` and returns `(cache, logits, positions)`."""
+        return steps.prefill_chunk.lower(self._static, self.params, cache, self._new_logits(),
+                                         *self._prefill_inputs(rows), None)
+
+    def _prefill_inputs(self, rows: int) -> tuple:
+        """Placed zeros as a prefill chunk of `rows` rows takes them: tokens, slots, start, n_valid, ends."""
+        ids = np.zeros(rows, np.int32)
+        return self._put(np.zeros((rows, self.chunk_size), np.int32), ids, ids, ids, np.zeros(rows, bool))
+
+    def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                sampling: SamplingArrays, pad_slots: Sequence[int] = (),
+                spliced: Sequence[Spliced | None] | None = None) -> tuple[Cache, Sampled]:
+        """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token.
+
+        `sampling` has one row per cache slot, and so has the result: row `slots[i]` is prompt i's token
+        (other rows mean nothing). `pad_slots` are extra distinct slots that ride along unchanged (to keep
+        the row count, hence the compiled shape, within a few buckets). `spliced` (one entry per prompt, or
+        None) gives embeddings that replace the token embeddings at some of a prompt's positions (images at
+        their placeholders); a chunk without any runs the text-only program.
+        """
+        rows = list(slots) + list(pad_slots)
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"prefill slots must be distinct, got {rows}")
+        n = len(rows)
+        spliced = _check_spliced(spliced, prompts, self.cfg.hidden_size)
+        lengths = np.zeros(n, np.int64)
+        lengths[:len(prompts)] = [len(p) for p in prompts]
+        current = np.asarray(cache.lengths)[rows]
+        c = self.chunk_size
+        n_chunks = max(1, -(-int(lengths.max()) // c))
+        padded = np.zeros((n, n_chunks * c), np.int32)
+        for i, p in enumerate(prompts):
+            padded[i, :len(p)] = p
+        is_prompt = np.arange(n) < len(prompts)
+        (slot_ids,) = self._put(np.asarray(rows, np.int32))
+        logits_sv, positions_s = self._new_logits(), None
+        for k in range(n_chunks):
+            n_valid = np.clip(lengths - k * c, 0, c)
+            start = np.where(is_prompt, np.minimum(k * c, lengths), current)
+            ends_here = is_prompt & (lengths > k * c) & (lengths <= (k + 1) * c)
+            tokens, start, n_valid, ends_here = self._put(padded[:, k * c:(k + 1) * c], start.astype(np.int32),
+                                                          n_valid.astype(np.int32), ends_here)
+            chunk_spliced = _chunk_spliced(spliced, n, k * c, c)
+            if chunk_spliced is not None:
+                chunk_spliced = self._put(*chunk_spliced)
+            elif self.spliced_prefill:
+                chunk_spliced = self._no_splice_for(n)
+            cache, logits_sv, positions_s = self._call(
+                ("prefill", n, chunk_spliced is not None), self._prefill_jit,
+                self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here, chunk_spliced)
+        return cache, self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
+                                 positions_s)
+
+    def _no_splice_for(self, rows: int) -> tuple[jax.Array, jax.Array]:
+        """Spliced-prefill inputs that splice nothing, kept on the device (made once per row bucket)."""
+        if rows not in self._no_splice:
+            self._no_splice[rows] = self._put(np.zeros((rows, self.chunk_size, self.cfg.hidden_size), np.float32),
+                                              np.zeros((rows, self.chunk_size), bool))
+        return self._no_splice[rows]
+
+    def precompile(self, images: bool = False, modes: Sequence[SamplingModes] = SAMPLER_MODES,
+                   buckets: Sequence[int] | None = None, threads: int | None = None,
+                   later: Sequence[int] = ()) -> int:
+        """Build every program a run of this engine can need before it starts: the empty cache, the
+        decode step, the prefill chunk for each row count of `buckets` (default: all, `prefill_buckets`),
+        and the sampler for each of `modes`. With `images` the prefill programs are those that take
+        spliced embeddings, and every later prefill runs them (`spliced_prefill`). Programs found in
+        `self.programs` are loaded; the others are lowered one after another and compiled in `threads`
+        threads (default: one per program, at most the CPU count), then stored there. Steps then call
+        them directly. Returns the number of programs. (The image encoder compiles per image size bucket
+        as images arrive: image sizes are not bounded ahead.)
+
+        `later` names more prefill row buckets, built (or loaded) in a background thread once the others
+        are ready, smallest first, while the engine runs: the set of programs is fixed here, and until a
+        bucket is ready a prefill takes the smallest ready one that holds its rows (`prefill_size`).
+        `close()` stops that thread after the program it is building."""
+        self.spliced_prefill = self.spliced_prefill or images
+        shapes = jax.eval_shape(lambda: init_cache(self.model, self.num_slots, self.max_len, kv_dtype=self.kv_dtype))
+        specs = steps.cache_specs(shapes) if jax.sharding.get_mesh().axis_names else jax.tree.map(
+            lambda _: jax.sharding.PartitionSpec(), shapes)
+        cache = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._placed(p)),
+                             shapes, specs)
+        self._new_logits()  # a broadcast, run once: the program is tiny
+        logits = jax.ShapeDtypeStruct((self.num_slots, self.cfg.vocab_size), jnp.float32,
+                                      sharding=self._placed(jax.sharding.PartitionSpec()))
+        positions = jax.ShapeDtypeStruct((self.num_slots,), jnp.int32, sharding=logits.sharding)
+        n = self.num_slots
+        # (slot, jitted function, its static arguments, the arguments its compiled form takes)
+        todo = [(("new_cache",), steps.new_cache, self._cache_statics(), (self.params,)),
+                (("decode",), steps.decode, (self._static,),
+                 (self.params, cache, *self._put(np.zeros(n, np.int32), np.zeros(n, bool))))]
+
+        def prefill(rows):
+            spliced = self._no_splice_for(rows) if self.spliced_prefill else None
+            return (("prefill", rows, spliced is not None), steps.prefill_chunk, (self._static,),
+                    (self.params, cache, logits, *self._prefill_inputs(rows), spliced))
+
+        now = set(prefill_buckets(n) if buckets is None else buckets)
+        todo += [prefill(rows) for rows in sorted(now, reverse=True)]
+        for m in modes:
+            sampling = dataclasses.replace(self._place(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
+                                           modes=m)
+            todo.append((("sample", m), steps.sample_rows, (), (logits, sampling, positions)))
+        build = [(slot, key, _lower(jitted, static, args)) for slot, key, jitted, static, args in self._unstored(todo)]
+        if build:
+            workers = threads or max(1, min(len(build), os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                built = list(pool.map(lambda item: compile_for_store(item[2]), build))  # XLA: outside the GIL
+            for (slot, key, _), compiled in zip(build, built):
+                self._keep(slot, key, *compiled)
+        rest = sorted(set(later) - now)
+        missing = self._unstored(map(prefill, rest))  # stored ones load now: it takes little
+        if missing:
+            with self._ready:
+                self._later |= {slot[1] for slot, *_ in missing}
+            self.background = threading.Thread(target=self._build_later, args=(missing, jax.sharding.get_mesh()),
+                                               name=BACKGROUND_THREAD)
+            self.background.start()
+        return len(todo) + len(rest)
+
+    def _unstored(self, todo) -> list[tuple]:
+        """Of `todo`'s (slot, jitted, static, args), load those `self.programs` holds into the steps' table;
+        the others as (slot, key, jitted, static, args), key None without a store."""
+        missing = []
+        for slot, jitted, static, args in todo:
+            key = self._program_key(slot, args) if self.programs is not None else None
+            t = time.perf_counter()
+            compiled = self.programs.load(key) if key is not None else None
+            if compiled is None:
+                missing.append((slot, key, jitted, static, args))
+                continue
+            self._compiled[slot] = compiled
+            self.programs_loaded += 1
+            self.load_seconds += time.perf_counter() - t
+        return missing
+
+    def _keep(self, slot: tuple, key: str | None, compiled: jax.stages.Compiled, fresh: bool) -> None:
+        """A program just built: into the steps' table, and into the store if XLA compiled it here."""
+        if key is not None and fresh:
+            self.programs.save(key, compiled)
+        self._compiled[slot] = compiled
+
+    def _build_later(self, todo: list, mesh) -> None:
+        """`precompile`'s background thread: each later prefill bucket lowered, compiled and stored in
+        turn, and handed to the steps as it is ready."""
+        # Tracing and lowering hold the GIL: the engine's own thread, which needs it for a moment per step,
+        # gets it back within a tenth of a millisecond rather than Python's default 5 ms.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, 1e-4))
+        try:
+            with jax.set_mesh(mesh) if mesh.axis_names else contextlib.nullcontext():  # the mesh is per thread
+                for slot, key, jitted, static, args in todo:
+                    if self._stop.is_set():
+                        break
+                    lowered = _lower(jitted, static, args)
+                    if self._stop.is_set():  # stopped while lowering: no compile for the process to wait for
+                        break
+                    self._keep(slot, key, *compile_for_store(lowered))  # storing it outside the lock
+                    with self._ready:
+                        self._later.discard(slot[1])
+                        self.background_built += 1
+                        self._ready.notify_all()
+        finally:
+            sys.setswitchinterval(interval)
+            with self._ready:  # whatever is left will not come: a prefill must not wait for it
+                self._later.clear()
+                self._ready.notify_all()
+
+    def prefill_size(self, n: int) -> int:
+        """The rows a prefill of `n` new requests runs: `prefill_rows(n)`, or the smallest larger bucket
+        that is ready while that one is still being built in the background (it waits only when no ready
+        bucket holds `n` rows)."""
+        want = prefill_rows(n, self.num_slots)
+        with self._ready:
+            while True:
+                ready = [slot[1] for slot in list(self._compiled)
+                         if slot[0] == "prefill" and slot[2] == self.spliced_prefill and slot[1] >= want]
+                if want in ready:
+                    return want
+                if ready:
+                    return min(ready)
+                if not self._later:  # none was precompiled: jit compiles it
+                    return want
+                self._ready.wait()
+
+    def pending_buckets(self) -> list[int]:
+        """The prefill buckets still being built in the background."""
+        with self._ready:
+            return sorted(self._later)
+
+    def close(self) -> None:
+        """Stop building later buckets after the one in progress (which is still stored)."""
+        self._stop.set()
+
+    def _program_key(self, slot: tuple, args: tuple) -> str | None:
+        """The store's key for program `slot` of this engine called with `args`: the model's structure and
+        the engine's shapes (not for the sampler, which holds neither), the mesh in context and the inputs
+        (`programs.describe`). None on several processes, where programs are not stored (each process
+        compiles for its own devices)."""
+        if jax.process_count() > 1:
+            return None
+        if self._identity is None:
+            graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
+            self._identity = (graph, repr(self.cfg), self.num_slots, self.max_len, self.chunk_size, self.kv_dtype)
+        mesh = jax.sharding.get_mesh()
+        if slot[0] == "sample":  # the sampler holds nothing of the model or the cache: engines share it
+            return self.programs.key(slot, repr(mesh), describe(args))
+        return self.programs.key(self._identity, slot, repr(mesh), describe(args))
+
+
+def _lower(jitted, static: tuple, args: tuple) -> jax.stages.Lowered:
+    """`jitted` lowered for its static arguments and `args` (every step takes its statics first)."""
+    return jitted.lower(*static, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spliced:
+    """Embeddings `[P, hidden]` that replace a prompt's token embeddings at `positions` `[P]`."""
+
+    positions: np.ndarray
+    embeds: np.ndarray
+
+
+def _check_spliced(spliced, prompts, hidden: int) -> list[Spliced | None] | None:
+    if spliced is None or all(s is None for s in spliced):
+        return None
+    if len(spliced) != len(prompts):
+        raise ValueError(f"spliced has {len(spliced)} entries for {len(prompts)} prompts")
+    for i, (s, p) in enumerate(zip(spliced, prompts)):
+        if s is None:
+            continue
+        pos = np.asarray(s.positions)
+        if pos.ndim != 1 or s.embeds.shape != (len(pos), hidden):
+            raise ValueError(f"prompt {i}: spliced embeddings {s.embeds.shape} must be [{len(pos)}, {hidden}] "
+                             f"for its {len(pos)} positions")
+        if len(pos) and (pos.min() < 0 or pos.max() >= len(p) or len(np.unique(pos)) != len(pos)):
+            raise ValueError(f"prompt {i}: spliced positions must be distinct and within its {len(p)} tokens")
+    return list(spliced)
+
+
+def _chunk_spliced(spliced, n: int, first: int, c: int):
+    """(embeds `[n, c, hidden]`, mask `[n, c]`) for the chunk at `first`, or None if nothing lands in it."""
+    if spliced is None:
+        return None
+    hits = []
+    for i, s in enumerate(spliced):
+        if s is not None:
+            pos = np.asarray(s.positions)
+            at = (pos >= first) & (pos < first + c)
+            if at.any():
+                hits.append((i, pos[at] - first, s.embeds[at]))
+    if not hits:
+        return None
+    embeds = np.zeros((n, c, hits[0][2].shape[-1]), np.float32)
+    mask = np.zeros((n, c), bool)
+    for i, cols, rows in hits:
+        embeds[i, cols], mask[i, cols] = rows, True
+    return embeds, mask
+
+
