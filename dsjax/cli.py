@@ -4,13 +4,110 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 
 from dsjax.compile_cache import compile_cache
 from dsjax.config import ModelConfig
 from dsjax.parallel import distributed
+from dsjax.quant import KV_DTYPES
+from dsjax.run_config import DTYPES, KERNELS, WEIGHTS, RunConfig, RunConfigError
 
+# The run options (`RunConfig`'s fields) as flags, one name each whatever the sub-command: the flag, how
+# argparse reads it (choices: the code's own tuples), and what it means.
+_RUN_FLAGS = {
+    "slots": ("--slots", dict(type=int, metavar="N"), "sequences in flight, the decode batch"),
+    "max_len": ("--max-len", dict(type=int, metavar="TOKENS"),
+                "tokens per sequence, prompt and generated: the cache's length"),
+    "chunk_size": ("--chunk-size", dict(type=int, metavar="TOKENS"), "prompt tokens per prefill chunk"),
+    "dtype": ("--dtype", dict(choices=DTYPES), "activations, float weights and the cache's float parts"),
+    "kv_dtype": ("--kv-dtype", dict(choices=KV_DTYPES),
+                 "cache storage of K=V rows (default: --dtype); fp8 and fp4 keep the rotary part in bf16 and the "
+                 "indexer's keys in fp8 (docs/quantization.md)"),
+    "weights": ("--weights", dict(choices=WEIGHTS),
+                "keep: FP8 blocks and FP4 routed experts (a checkpoint's own storage; DeepSeek's release format "
+                "for a preset) stay so on the device, dequantized layer by layer inside each step; bf16: float "
+                "weights in --dtype, dequantized once at load"),
+    "kernels": ("--kernels", dict(choices=KERNELS),
+                "auto: the Pallas kernels on GPUs and TPUs, the pure-JAX references elsewhere; reference: the "
+                "references everywhere; interpret: the GPU kernels in Pallas's interpreter, slow, for tests on "
+                "a CPU"),
+    "mesh": ("--mesh", dict(metavar="SPEC"),
+             "a device mesh, e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp; sizes multiply to the device count); "
+             "default: one device"),
+}
+_RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+_EVERY = tuple(_RUN_FLAGS)  # for the commands that compile the engine's steps
+# Spellings that still work until 0.2, each printing the one that replaces it.
+_GOES_IN = "0.2"
+_RENAMED_FLAGS = {"--max-batch": "--slots", "--batch": "--slots", "--chunk": "--chunk-size", "--context": "--max-len"}
+_RENAMED_VALUES = {"--weights": {"fp8": "keep"}}
+
+
+def _deprecated(old: str, new: str) -> None:
+    print(f"dsjax: {old} is deprecated, use {new} (it goes in {_GOES_IN})", file=sys.stderr, flush=True)
+
+
+class _OldSpelling(argparse.Action):
+    """A flag's old name: the value goes where the new flag's would, and stderr names the new flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _deprecated(option_string, _RENAMED_FLAGS[option_string])
+        setattr(namespace, self.dest, values)
+
+
+def _renamed_values(flag: str, parse=str):
+    """An argparse type for `flag`: `parse`, then an old value is swapped for its new one (said on stderr)."""
+    def convert(text: str):
+        value = parse(text)
+        new = _RENAMED_VALUES.get(flag, {}).get(value)
+        if new is None:
+            return value
+        _deprecated(f"{flag} {value}", f"{flag} {new}")
+        return new
+    return convert
+
+
+def add_run_args(p: argparse.ArgumentParser, fields: tuple[str, ...], *, defaults: dict | None = None,
+                 required: tuple[str, ...] = (), several: tuple[str, ...] = (), helps: dict[str, str] | None = None,
+                 old: tuple[str, ...] = ()) -> None:
+    """Add the flags of the run options `fields` (RunConfig's names) to `p`: RunConfig's defaults unless
+    `defaults` has the command's own; `required` ones must be given; `several` take one or more values;
+    `helps` replaces a flag's description where the command means something more; `old` are renamed
+    flags (`_RENAMED_FLAGS`) the command still accepts."""
+    defaults, helps = defaults or {}, helps or {}
+    for name in fields:
+        flag, how, text = _RUN_FLAGS[name]
+        how = {**how, "type": _renamed_values(flag, how.get("type", str))} if flag in _RENAMED_VALUES else how
+        default = None if name in required else defaults.get(name, _RUN_DEFAULTS[name])
+        if "dtype" not in fields:  # the command runs in RunConfig's dtype
+            text = text.replace("--dtype", _RUN_DEFAULTS["dtype"])
+        text = helps.get(name, text) + (f" (default {default})" if default is not None else "")
+        nargs = "+" if name in several else None
+        olds = [o for o in old if _RENAMED_FLAGS[o] == flag]
+        # An old name with the new one in a group of either, so that giving both is refused.
+        where = p.add_mutually_exclusive_group(required=name in required) if olds else p
+        where.add_argument(flag, dest=name, default=default, nargs=nargs, help=text,
+                           **({"required": True} if name in required and not olds else {}), **how)
+        for o in olds:
+            where.add_argument(o, dest=name, action=_OldSpelling, nargs=nargs, default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS, **how)
+
+
+def run_config(args: argparse.Namespace, **changes) -> RunConfig:
+    """The RunConfig of the run flags in `args` (RunConfig's defaults for those the command has not) with
+    `changes`; a bad value raises ValueError naming its flag."""
+    values = {name: getattr(args, name) for name in _RUN_FLAGS if getattr(args, name, None) is not None}
+    try:
+        return RunConfig(**{**values, **changes})
+    except RunConfigError as e:  # its message starts with the field's name: say the flag's
+        msg = str(e)
+        for name, (flag, _, _) in _RUN_FLAGS.items():
+            if msg.startswith(name + " "):
+                msg = flag + msg[len(name):]
+                break
+        raise ValueError(msg) from None
 
 
 def _model_source(parser: argparse.ArgumentParser) -> None:
@@ -21,12 +118,13 @@ def _model_source(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", help=", ".join(sorted(PRESETS)))
     src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
 
+
 def _info(args: argparse.Namespace) -> int:
     from dsjax.cache import cache_bytes_per_token
     from dsjax.info import COMPONENTS, model_info
-    from dsjax.quant import KV_DTYPES
 
     cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
+    context = run_config(args, max_len=args.max_len or cfg.max_position_embeddings).max_len
     info = model_info(cfg)
     name = args.preset or args.model
     print(f"{name}: {info.summary()}")
@@ -35,7 +133,6 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  {comp:<15} {n:>18,}  {100 * n / info.total:5.1f}%")
     kinds = ", ".join(f"{t}×{cfg.layer_types.count(t)}" for t in sorted(set(cfg.layer_types)))
     print(f"  layers: {cfg.num_hidden_layers} ({kinds})")
-    context = args.context or cfg.max_position_embeddings
     print(f"  cache per token of context at {context:,} tokens (float parts bf16):")
     for kv in KV_DTYPES:
         per_type = cache_bytes_per_token(cfg, context, kv_dtype=kv)
@@ -57,24 +154,26 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.model and args.layers:
         raise ValueError("--layers cuts a preset built with random weights; a --model folder runs whole")
-    bad = [f"{flag} {v}" for flag, vs in (("--batch", args.batch), ("--prompt-len", [args.prompt_len]),
-                                          ("--chunk-size", [args.chunk_size])) for v in vs if v < 1]
-    if bad or args.gen_len < 2:
-        raise ValueError(f"must be positive (and --gen-len at least 2): {', '.join(bad) or f'--gen-len {args.gen_len}'}")
+    if args.prompt_len < 1 or args.gen_len < 2:
+        raise ValueError(f"--prompt-len must be positive and --gen-len at least 2, got {args.prompt_len} and "
+                         f"{args.gen_len}")
+    for slots in args.slots:  # each size in turn is a run of its own
+        run_config(args, slots=slots)
+    run = run_config(args, slots=max(args.slots), max_len=args.prompt_len + args.gen_len)
     if (args.copy_tbps is None) != (args.matmul_tflops is None):
         raise ValueError("give both --copy-tbps and --matmul-tflops, or neither (then both are measured)")
     mesh = None
-    if args.mesh:
+    if run.mesh:
         from dsjax.parallel.mesh import make_mesh
 
-        mesh = make_mesh(args.mesh)
+        mesh = make_mesh(run.mesh)
     if args.model:
         from dsjax.checkpoint.load import load_model
 
-        model = load_model(args.model, jnp.bfloat16, weights="keep" if args.weights == "fp8" else "bf16", mesh=mesh)
+        model = load_model(args.model, jnp.bfloat16, weights=run.weights, mesh=mesh)
         name = args.model
     else:
-        model = random_model(bench_config(args.preset, args.layers, args.weights), args.seed)
+        model = random_model(bench_config(args.preset, args.layers, run.weights), args.seed)
         if mesh is not None:
             from dsjax.parallel.shard import shard_model
 
@@ -83,7 +182,7 @@ def _bench(args: argparse.Namespace) -> int:
     rates = (DeviceRates(args.copy_tbps * 1e12, args.matmul_tflops * 1e12) if args.copy_tbps
              else measure_rates())
     where = f"{mesh.size} × {mesh.devices.flat[0].device_kind}" if mesh is not None else jax.devices()[0].device_kind
-    print(f"{name}: {model.cfg.num_hidden_layers} layers, {args.weights} weights on {where} "
+    print(f"{name}: {model.cfg.num_hidden_layers} layers, {run.weights} weights on {where} "
           f"(copy {rates.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {rates.matmul_flops_per_s / 1e12:.0f} "
           f"TFLOP/s)", flush=True)
 
@@ -94,11 +193,11 @@ def _bench(args: argparse.Namespace) -> int:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    run = functools.partial(bench, model, args.batch, args.prompt_len, args.gen_len, kv_dtype=args.kv_dtype,
-                            chunk_size=args.chunk_size, breakdown=not args.no_breakdown, rates=rates, seed=args.seed,
-                            trace_dir=args.trace_dir, mesh=mesh, emit=emit)
+    measure = functools.partial(bench, model, args.slots, args.prompt_len, args.gen_len, run=run,
+                                breakdown=not args.no_breakdown, rates=rates, seed=args.seed,
+                                trace_dir=args.trace_dir, mesh=mesh, emit=emit)
     if args.no_breakdown or jax.default_backend() == "cpu" or jax.config.jax_compilation_cache_dir:
-        run()
+        measure()
         return 0
     # The per-part split compiles the decode step once more to read its kernels' names; with a
     # persistent cache (this run's own, removed after it) that second compile is a lookup.
@@ -109,7 +208,7 @@ def _bench(args: argparse.Namespace) -> int:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     try:
-        run()
+        measure()
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
@@ -118,10 +217,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    run = run_config(args)  # bad options fail before anything starts
     if args.demo and distributed.spec_from(args) is not None:
         raise ValueError("--demo runs on one process: drop --coordinator, --num-processes, --process-id and "
                          "--distributed (and unset JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
-    if args.demo or args.dtype == "float32":
+    if args.demo or run.dtype == "float32":
         from dsjax.compile_cache import use_float32_gpu_flags
 
         use_float32_gpu_flags()  # before anything starts a jax backend
@@ -139,9 +239,7 @@ def _generate(args: argparse.Namespace) -> int:
                if not v]
     if missing:
         raise ValueError(f"{', '.join(missing)} required (or --demo)")
-    cfg = JobConfig(model=args.model, input=args.input, output=args.output, max_batch=args.max_batch,
-                    max_len=args.max_len, chunk_size=args.chunk_size, dtype=args.dtype, weights=args.weights,
-                    kv_dtype=args.kv_dtype, seed=args.seed, mesh=args.mesh,
+    cfg = JobConfig(model=args.model, input=args.input, output=args.output, run=run, seed=args.seed,
                     allow_remote_images=args.allow_remote_images, served_model_names=tuple(args.served_model_name),
                     prompt_format=args.prompt_format,
                     image_root=args.image_root, allow_changed_input=args.allow_changed_input,
@@ -163,6 +261,7 @@ def _convert(args: argparse.Namespace) -> int:
     from dsjax.checkpoint.convert import convert, to_hf
     from dsjax.parallel.mesh import parse_mesh
 
+    run = run_config(args)
     if names := distributed.multi_process_env():  # one writer only
         raise ValueError(f"the environment asks for a multi-process run ({', '.join(names)} set), but convert "
                          "writes DST from one process: run it once, on one host, without them; every process "
@@ -178,8 +277,8 @@ def _convert(args: argparse.Namespace) -> int:
         else:
             if shard:
                 raise ValueError("--shard-mb sets the size of the safetensors shards --to-hf writes")
-            ep = parse_mesh(args.mesh)["ep"] if args.mesh else 1
-            s = convert(args.src, args.dst, weights=args.weights, ep=ep, verify=args.verify,
+            ep = parse_mesh(run.mesh)["ep"] if run.mesh else 1
+            s = convert(args.src, args.dst, weights=run.weights, ep=ep, verify=args.verify,
                         progress=not args.quiet)
     except KeyboardInterrupt:
         print(f"interrupted: {args.dst} was not created; re-run the same command to resume", file=sys.stderr)
@@ -194,19 +293,18 @@ def _plan(args: argparse.Namespace) -> int:
     from dsjax.parallel.mesh import parse_mesh
     from dsjax.plan import largest_fit, parse_bytes, plan
 
-    sizes = parse_mesh(args.mesh)
-    budget = parse_bytes(args.device_mem)  # bad input fails before anything is compiled
-    _ensure_cpu_devices(math.prod(sizes.values()))
+    run = run_config(args)  # bad input fails before anything is compiled
+    budget = parse_bytes(args.device_mem)
+    _ensure_cpu_devices(math.prod(parse_mesh(run.mesh).values()))
     cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
-    common = dict(cfg=cfg, mesh_spec=sizes, max_len=args.max_len, weights=args.weights, kv_dtype=args.kv_dtype,
-                  chunk_size=args.chunk_size, device_mem=budget, model_name=args.preset or args.model)
-    base = plan(slots=args.slots, **common)
+    common = dict(device_mem=budget, model_name=args.preset or args.model)
+    base = plan(cfg, run, **common)
     fit = None
     if not args.no_search:
         def log(msg):
             print(f"dsjax plan: {msg}", file=sys.stderr, flush=True)
 
-        fit = largest_fit(base, lambda slots: plan(slots=slots, **common), log=log)
+        fit = largest_fit(base, lambda slots: plan(cfg, run.replace(slots=slots), **common), log=log)
     print(base.table(fit))
     return 0
 
@@ -214,11 +312,10 @@ def _plan(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from dsjax.export import check_out_dir, export_steps
 
-    check_out_dir(args.out, args.force)  # bad input fails before anything is traced
+    run = run_config(args)  # bad input fails before anything is traced
+    check_out_dir(args.out, args.force)
     cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
-    m = export_steps(cfg, args.platform, args.out, slots=args.slots, max_len=args.max_len,
-                     chunk_size=args.chunk_size, prefill_rows=args.prefill_rows, weights=args.weights,
-                     dtype=args.dtype, kv_dtype=args.kv_dtype, mesh=args.mesh, device_kind=args.device_kind,
+    m = export_steps(cfg, args.platform, args.out, run, prefill_rows=args.prefill_rows, device_kind=args.device_kind,
                      model_name=args.preset or args.model, force=args.force)
     sizes = ", ".join(f"{name} {d['bytes'] / 1e6:,.2f} MB" for name, d in m["steps"].items())
     mesh = ",".join(f"{a}={n}" for a, n in (m["mesh"] or {}).items() if n > 1) or "one device"
@@ -277,21 +374,11 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-format", choices=["v4", "v4.1"],
                    help="the prompt encoding (default: the checkpoint's: v4.1 for a model that reads images, else "
                         "v4); for a checkpoint trained on the other format than its config says")
-    p.add_argument("--max-batch", type=_int_at_least(1), default=8, help="sequences in flight (default 8)")
-    p.add_argument("--max-len", type=_int_at_least(2), default=4096,
-                   help="prompt + generated tokens per sequence (4096)")
-    p.add_argument("--chunk-size", type=_int_at_least(1), default=256, help="prefill chunk in tokens (256)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="activations and float weights (bfloat16)")
-    p.add_argument("--weights", default="keep", choices=["keep", "bf16"],
-                   help="FP8/FP4 checkpoints: keep them so on the device and dequantize per layer inside each "
-                        "step (keep), or dequantize once at load into --dtype (bf16)")
-    p.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"],
-                   help="cache storage of K=V rows (default: --dtype); fp8/fp4 keep the rotary part in bf16 "
-                        "and the indexer's keys in fp8 (docs/quantization.md)")
-    p.add_argument("--mesh", help="run sharded over the visible devices (of every process, in a multi-process "
-                   "run), e.g. 'ep=8' or 'dp=2,ep=4': routed experts split over ep (expert parallelism); sizes "
-                   "must multiply to the device count")
+    add_run_args(p, _EVERY,
+                 old=("--max-batch",), helps={
+                     "mesh": "run sharded over the visible devices (of every process, in a multi-process run), "
+                             "e.g. 'ep=8' or 'dp=2,ep=4': routed experts split over ep (expert parallelism); "
+                             "sizes must multiply to the device count"})
     p.add_argument("--seed", type=_int_at_least(0, 2 ** 63), default=0,
                    help="job seed: requests that set no seed draw from it and their custom_id")
     p.add_argument("--allow-remote-images", action="store_true",
@@ -333,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", parents=[shared],
                           help="parameter counts and memory of a model, without loading it")
     _model_source(info)
-    info.add_argument("--context", type=int, help="context length for the cache report "
-                      "(default: max_position_embeddings)")
+    add_run_args(info, ("max_len",), defaults={"max_len": None}, old=("--context",), helps={
+        "max_len": "the context length the cache report is for (default: the model's max_position_embeddings)"})
     info.set_defaults(func=_info)
     gen = sub.add_parser("generate", parents=[shared],
                          help="run a batch of API requests (OpenAI Batch JSONL) through a model")
@@ -350,10 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "run resumes when re-run with the same arguments. See docs/convert.md.")
     conv.add_argument("src", help="checkpoint folder to read")
     conv.add_argument("dst", help="folder to create (must not exist)")
-    conv.add_argument("--weights", default="keep", choices=["keep", "bf16"],
-                      help="keep FP8/FP4 weights as stored (keep), or dequantize them into bf16")
-    conv.add_argument("--mesh", help="target mesh, e.g. 'dp=2,ep=4': routed experts are stored in blocks "
-                      "that each expert-parallel device reads whole")
+    add_run_args(conv, ("weights", "mesh"), helps={
+        "weights": "keep: store FP8 weights, FP4 experts and their scales as they are; bf16: dequantize them "
+                   "into bf16",
+        "mesh": "the mesh the checkpoint is for, e.g. 'dp=2,ep=4': routed experts are stored in blocks that "
+                "each expert-parallel device reads whole"})
     conv.add_argument("--verify", action="store_true",
                       help="before finishing, re-read every array and compare its sha256 with the source's")
     conv.add_argument("--to-hf", action="store_true",
@@ -369,16 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights, cache and temporaries from XLA's memory analysis against --device-mem, and the "
                         "most slots of --max-len tokens that fit. See docs/parallelism.md.")
     _model_source(pl)
-    pl.add_argument("--mesh", required=True, help="e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp)")
-    pl.add_argument("--max-len", type=int, required=True, help="tokens per sequence (cache length)")
-    pl.add_argument("--slots", type=int, required=True,
-                    help="sequences in flight over the mesh (a multiple of the dp·ep devices)")
-    pl.add_argument("--weights", default="fp8", choices=["fp8", "bf16"],
-                    help="fp8: DeepSeek's release storage (FP8 blocks, FP4 routed experts, or the model's own "
-                         "quantization_config); bf16: float weights (default fp8)")
-    pl.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "fp8", "fp4"],
-                    help="cache storage of K=V rows (default bfloat16)")
-    pl.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256, as generate)")
+    add_run_args(pl, _EVERY,
+                 required=("slots", "max_len", "mesh"), helps={
+                     "slots": "sequences in flight over the mesh (a multiple of the dp·ep devices)",
+                     "mesh": "e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp); host CPU devices stand in for "
+                             "missing ones"})
     pl.add_argument("--device-mem", default="141GB",
                     help="memory budget per device: '141GB' (10^9), '80GiB' (2^30) or bytes ('141e9'); "
                          "default 141GB (an H200)")
@@ -396,20 +479,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "and matmul rate. See docs/benchmarks.md.")
     _model_source(be)
     be.add_argument("--layers", type=int, help="keep the preset's first N decoder layers (to fit one device)")
-    be.add_argument("--weights", default="bf16", choices=["bf16", "fp8"],
-                    help="bf16 float weights, or fp8: DeepSeek's release storage (FP8 blocks, FP4 routed experts)")
-    be.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"], help="cache storage of K=V rows (bf16)")
-    be.add_argument("--batch", type=int, nargs="+", required=True, help="sequences in flight; several run in turn")
+    # Float weights by default, unlike plan's and export's: the measurements compare with float engines.
+    add_run_args(be, ("slots", "chunk_size", "kv_dtype", "weights", "kernels", "mesh"), defaults={"weights": "bf16"},
+                 required=("slots",), several=("slots",), old=("--batch",), helps={
+                     "slots": "sequences in flight; several sizes run in turn",
+                     "mesh": "run on a device mesh, e.g. 'ep=8' (axes dp, ep, tp; sizes multiply to the device "
+                             "count): --slots counts sequences over the whole mesh; --model loads each device's "
+                             "slice only (a converted checkpoint), a preset is built on one device and then "
+                             "placed"})
     be.add_argument("--prompt-len", type=int, required=True, help="prompt tokens per sequence")
     be.add_argument("--gen-len", type=int, required=True, help="generated tokens per sequence (at least 2)")
-    be.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (256, as generate)")
     be.add_argument("--copy-tbps", type=float, help="copy bandwidth in TB/s for the roofline (default: measured)")
     be.add_argument("--matmul-tflops", type=float, help="bf16 matmul rate in TFLOP/s (default: measured)")
     be.add_argument("--no-breakdown", action="store_true", help="skip the profiled per-part split")
     be.add_argument("--trace-dir", help="keep each breakdown's profiler trace here (batch<B>/, for Perfetto)")
-    be.add_argument("--mesh", help="run on a device mesh, e.g. 'ep=8' (axes dp, ep, tp; sizes multiply to the "
-                    "device count): --batch counts sequences over the whole mesh; --model loads each device's "
-                    "slice only (a converted checkpoint), a preset is built on one device and then placed")
     be.add_argument("--json", help="append one JSON row per batch size to this file")
     be.add_argument("--seed", type=int, default=0, help="weights and prompts")
     _verbose_arg(be)
@@ -427,19 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, metavar="DIR",
                     help="folder to create (or an empty one); it appears only when complete")
     ex.add_argument("--force", action="store_true", help="replace DIR if it holds an earlier export")
-    ex.add_argument("--slots", type=int, default=8, help="sequences in flight (decode batch; default 8)")
-    ex.add_argument("--max-len", type=int, default=4096, help="tokens per sequence (cache length; default 4096)")
-    ex.add_argument("--chunk-size", "--chunk", type=int, default=256, help="prefill chunk in tokens (256)")
+    add_run_args(ex, _EVERY,
+                 old=("--chunk",), helps={
+                     "mesh": "export the SPMD program for a mesh, e.g. 'ep=8' (inputs laid out as `dsjax plan` "
+                             "lays them out; no devices needed); default: one device"})
     ex.add_argument("--prefill-rows", type=int, help="rows of a prefill chunk (default: --slots)")
-    ex.add_argument("--weights", default="fp8", choices=["fp8", "bf16"],
-                    help="fp8: DeepSeek's release storage (FP8 blocks, FP4 routed experts, or the model's own "
-                         "quantization_config); bf16: float weights in --dtype (default fp8)")
-    ex.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="activations, float weights and the cache's float parts (bfloat16)")
-    ex.add_argument("--kv-dtype", choices=["bfloat16", "fp8", "fp4"],
-                    help="cache storage of K=V rows (default: --dtype)")
-    ex.add_argument("--mesh", help="export the SPMD program for a mesh, e.g. 'ep=8' (inputs laid out as "
-                    "`dsjax plan` lays them out; no devices needed); default: one device")
     ex.add_argument("--device-kind", help="the GPU or TPU the Pallas kernels are lowered for, as jax names it "
                     "(default: 'NVIDIA H200' for cuda, 'gfx942' for rocm, 'TPU v6 lite' for tpu)")
     ex.set_defaults(func=_export)

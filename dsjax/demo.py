@@ -16,9 +16,10 @@ from typing import Any
 
 from dsjax.batch.job import JobConfig, format_summary, run_job
 from dsjax.embedded import MODEL_DIR, SAMPLE_REQUESTS
+from dsjax.run_config import RunConfig
 
 # Every bundled request fits: prompts of at most ~210 tokens (the image request) plus max_tokens of 160.
-DEMO_JOB = dict(max_batch=8, max_len=384, chunk_size=128, dtype="float32")
+DEMO_RUN = RunConfig(slots=8, max_len=384, chunk_size=128, dtype="float32")
 
 
 def parsed_response(body: dict[str, Any]) -> tuple[str, str]:
@@ -57,8 +58,8 @@ def run_demo(output: str | None = None, show: int = 3, progress: bool = True, ve
     requests with images, and the throughput summary. Results go to `output` (default: a new temporary folder)."""
     if output is None:
         output = os.path.join(tempfile.mkdtemp(prefix="dsjax-demo-"), "results.jsonl")
-    summary = run_job(JobConfig(model=MODEL_DIR, input=SAMPLE_REQUESTS, output=output, progress=progress,
-                                verbose=verbose, **DEMO_JOB))
+    summary = run_job(JobConfig(model=MODEL_DIR, input=SAMPLE_REQUESTS, output=output, run=DEMO_RUN,
+                                progress=progress, verbose=verbose))
     with open(SAMPLE_REQUESTS) as f:
         requests = {r["custom_id"]: r for r in map(json.loads, f)}
     with open(output) as f:

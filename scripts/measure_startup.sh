@@ -33,9 +33,9 @@ if [ "$what" != demo ]; then
   "$py" scripts/make_requests.py /tmp/req.jsonl --count 512 >> "$out/checkpoint.log" 2>&1
   for run in cold warm; do
     timed "job_$run" dsjax generate --model /tmp/v4f4 --input /tmp/req.jsonl --output "$out/job_$run.jsonl" \
-      --max-batch 64 --max-len 1024
+      --slots 64 --max-len 1024
   done
-  timeout "$bench_s" "$py" -m dsjax.cli bench --model /tmp/v4f4 --weights fp8 --batch 64 --prompt-len 256 \
+  timeout "$bench_s" "$py" -m dsjax.cli bench --model /tmp/v4f4 --weights keep --slots 64 --prompt-len 256 \
     --gen-len 64 --no-breakdown --json "$out/bench.jsonl" > "$out/bench.log" 2>&1
   echo "bench rc $?" >> "$out/bench.log"
 fi

@@ -21,7 +21,7 @@ from dsjax.compile_cache import cache_dir, enable_compile_cache
 from dsjax.demo import parsed_response
 
 PROMPTS = ["Count to three", "Name a colour"]
-JOB = ["--served-model-name", "tiny", "--max-batch", "2", "--max-len", "64", "--chunk-size", "16",
+JOB = ["--served-model-name", "tiny", "--slots", "2", "--max-len", "64", "--chunk-size", "16",
        "--dtype", "float32", "--quiet"]
 
 

@@ -25,7 +25,6 @@ import time
 from typing import Any, Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -34,32 +33,30 @@ from dsjax.batch.images import ImageResolver, count_images
 from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
 from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
 from dsjax.batch.results import InputFingerprint, ResultsFile, check_output, error_record, success_record
-from dsjax.engine.programs import program_store
 from dsjax.config import ModelConfig
 from dsjax.engine.compiles import CompileClock
+from dsjax.engine.engine import Engine, Spliced
 from dsjax.engine.generate import request_seed
+from dsjax.engine.pixels import ImageError, decode_image
+from dsjax.engine.programs import program_store
 from dsjax.engine.scheduler import Request, StepTimer, run
-from dsjax.engine.steps import Engine, Spliced, prefill_buckets, prefill_rows
-from dsjax.layers.vision import ImageError, decode_image
+from dsjax.engine.slots import prefill_buckets, prefill_rows
 from dsjax.parallel import distributed
-from dsjax.quant import KV_DTYPES
-
-_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+from dsjax.run_config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
+    """A batch job: the model folder, the input and output files, how the model is run (`run`) and the
+    job's own options."""
+
     model: str
     input: str
     output: str
-    max_batch: int = 8
-    max_len: int = 4096
-    chunk_size: int = 256
-    dtype: str = "bfloat16"
-    weights: str = "keep"  # FP8/FP4 checkpoints: "keep" them so on the device, or "bf16": dequantize at load
-    kv_dtype: str | None = None  # cache rows: None (= dtype), "bfloat16", "fp8" or "fp4"
+    # Slots, lengths, dtypes, weights, kernels and mesh: validated when made (RunConfigError). The job
+    # runs at most the model's context: `max_len` above it is cut to `max_position_embeddings`.
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
     seed: int = 0
-    mesh: str | None = None  # e.g. "dp=2,ep=4": routed experts split over ep (dsjax.parallel)
     window: int = 256  # requests read ahead and ordered longest prompt first
     allow_remote_images: bool = False  # fetch remote image URLs (public addresses only); off: refused
     # The model names requests may give; empty: the checkpoint folder's name and the recipe's name for it.
@@ -97,10 +94,11 @@ def summary_path(output: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _Setup:
-    """What the checks before any work found: the recipe, the context length, the mesh."""
+    """What the checks before any work found: the recipe, the run options the engine takes (`max_len` cut
+    to the model's context), the mesh."""
 
     recipe: Recipe
-    context: int
+    run: RunConfig
     mesh: Any
 
 
@@ -195,16 +193,14 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                 results.open()
             else:
                 t = time.perf_counter()
-                model = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], weights=cfg.weights, mesh=setup.mesh)
+                model = load_model(cfg.model, dtype=cfg.run.jnp_dtype, weights=cfg.run.weights, mesh=setup.mesh)
                 phase["load"] = time.perf_counter() - t
                 phase["load_end"] = time.perf_counter() - t_start
                 weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
                 say(f"loaded {weight_bytes / 1e9:,.2f} GB of weights in {phase['load']:.1f} s")
                 stopper.check()
                 with jax.set_mesh(setup.mesh) if setup.mesh is not None else contextlib.nullcontext():
-                    engine = Engine(model, num_slots=cfg.max_batch, max_len=setup.context,
-                                    chunk_size=min(cfg.chunk_size, setup.context), kv_dtype=cfg.kv_dtype,
-                                    programs=program_store())
+                    engine = Engine(model, setup.run, programs=program_store())
                     stopper.check()
                     results.open()
                     bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
@@ -216,7 +212,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                         compiled mid-job. `first` requests are ready to start; at most `later` follow."""
                         if not first and not later:  # no request will run
                             return
-                        slots = cfg.max_batch
+                        slots = cfg.run.slots
                         reachable = set(prefill_buckets(slots, later)) if later else set()
                         # The first window's bucket now; the others a prefill may take later in the
                         # background (on one process: processes must run the same programs in step).
@@ -337,27 +333,21 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     """Raise JobError if the job cannot run: every setting, the input, the paths it will write (if it
     `writes`: process 0 of a multi-process run), the model's config and tokenizer, all before any weight
     is read."""
-    if cfg.dtype not in _DTYPES:
-        raise JobError(f"dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
-    if cfg.weights not in ("keep", "bf16"):
-        raise JobError(f"weights must be 'keep' or 'bf16', got {cfg.weights!r}")
-    if cfg.kv_dtype not in (None, *KV_DTYPES):
-        raise JobError(f"kv_dtype must be one of {KV_DTYPES}, got {cfg.kv_dtype!r}")
-    for name, value, least in (("max_batch", cfg.max_batch, 1), ("max_len", cfg.max_len, 2),
-                               ("chunk_size", cfg.chunk_size, 1), ("window", cfg.window, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise JobError(f"{name} must be an integer of at least {least}, got {value!r}")
+    if not isinstance(cfg.run, RunConfig):  # its own options were checked when it was made
+        raise JobError(f"run must be a RunConfig, got {type(cfg.run).__name__}")
+    if isinstance(cfg.window, bool) or not isinstance(cfg.window, int) or cfg.window < 1:
+        raise JobError(f"window must be an integer of at least 1, got {cfg.window!r}")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2 ** 63:
         raise JobError(f"seed must be an integer in [0, 2^63), got {cfg.seed!r}")
     names = cfg.served_model_names
     if isinstance(names, str) or any(not isinstance(n, str) or not n.strip() for n in names):
         raise JobError(f"served model names must be non-empty strings, got {names!r}")
     mesh = None
-    if cfg.mesh:
+    if cfg.run.mesh:
         from dsjax.parallel.mesh import make_mesh
 
         try:
-            mesh = make_mesh(cfg.mesh)
+            mesh = make_mesh(cfg.run.mesh)
         except ValueError as e:
             raise JobError(str(e)) from None
     elif distributed.process_count() > 1:
@@ -382,8 +372,9 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     tokenizer = os.path.join(cfg.model, "tokenizer.json")
     if not os.path.isfile(tokenizer):
         raise JobError(f"{cfg.model!r} has no tokenizer.json: the job encodes prompts with the model's tokenizer")
-    context = min(cfg.max_len, model_cfg.max_position_embeddings)
-    _check_cache_fits(model_cfg, cfg, context, mesh)
+    context = min(cfg.run.max_len, model_cfg.max_position_embeddings)
+    sized = cfg.run.replace(max_len=context, chunk_size=min(cfg.run.chunk_size, context))
+    _check_cache_fits(model_cfg, sized, mesh)
     fmt = cfg.prompt_format or prompt_format(model_cfg)
     if fmt not in PROMPT_FORMATS:
         raise JobError(f"prompt_format must be one of {sorted(PROMPT_FORMATS)} (or None: the checkpoint's), got {fmt!r}")
@@ -396,16 +387,17 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
                         images=ImageResolver(allow_remote=cfg.allow_remote_images), image_root=image_root)
     except ValueError as e:
         raise JobError(str(e)) from None
-    return _Setup(recipe, context, mesh)
+    return _Setup(recipe, sized, mesh)
 
 
-def _check_cache_fits(model_cfg: ModelConfig, cfg: JobConfig, context: int, mesh) -> None:
+def _check_cache_fits(model_cfg: ModelConfig, run: RunConfig, mesh) -> None:
     """Refuse a cache larger than all the devices' memory together (which would be found only when it is
     allocated, by the out-of-memory killer on a CPU); `dsjax plan` tells what fits more closely."""
     from dsjax.cache import cache_bytes_per_token
 
-    per_type = cache_bytes_per_token(model_cfg, context, _DTYPES[cfg.dtype], cfg.kv_dtype)
-    need = sum(b * model_cfg.layer_types.count(t) for t, b in per_type.items()) * context * cfg.max_batch
+    context = run.max_len
+    per_type = cache_bytes_per_token(model_cfg, context, run.jnp_dtype, run.kv_dtype)
+    need = sum(b * model_cfg.layer_types.count(t) for t, b in per_type.items()) * context * run.slots
     devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
     if devices[0].platform == "cpu":  # host devices share the machine's memory
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -415,9 +407,9 @@ def _check_cache_fits(model_cfg: ModelConfig, cfg: JobConfig, context: int, mesh
             return
         have = sum(limits)
     if need > have:
-        raise JobError(f"the cache of --max-batch {cfg.max_batch} sequences of {context:,} tokens needs "
+        raise JobError(f"the cache of --slots {run.slots} sequences of {context:,} tokens needs "
                        f"{need / 1e9:,.1f} GB, more than the {have / 1e9:,.1f} GB the devices have: lower "
-                       "--max-batch or --max-len (`dsjax plan` estimates what fits)")
+                       "--slots or --max-len (`dsjax plan` estimates what fits)")
 
 
 def _summary_owner(data: bytes) -> str | None:
@@ -566,7 +558,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
     def requests() -> Iterator[Request]:
         batches = windows()
         first = next(batches)
-        compile_all(len(first), len(first) - min(len(first), cfg.max_batch) + pending - read[0])
+        compile_all(len(first), len(first) - min(len(first), cfg.run.slots) + pending - read[0])
         yield from first
         for batch in batches:
             yield from batch

@@ -33,6 +33,7 @@ from dsjax.checkpoint.safetensors_io import (CheckpointError, TensorRef, checkpo
                                              read_tensor, tensor_dtype)
 from dsjax.checkpoint.save import StreamingShards, hf_value, original_names
 from dsjax.config import ModelConfig
+from dsjax.run_config import WEIGHTS, check_choice
 
 _BLOCK_BYTES = 256 << 20  # no array is larger: big tensors are stored in blocks of rows (experts)
 _FLUSH_BYTES = 256 << 20  # finished arrays are saved together once they add up to this
@@ -177,8 +178,7 @@ def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
     Raises CheckpointError, naming the tensor and its file, for a missing, unexpected, mis-shaped or
     wrongly typed tensor, a shard the index names but the folder lacks, a truncated file, or a config
     that does not match the tensors."""
-    if weights not in ("keep", "bf16"):
-        raise ValueError(f"weights must be 'keep' or 'bf16', got {weights!r}")
+    check_choice("weights", weights, WEIGHTS)
     src = os.path.abspath(os.fspath(src))
     if not os.path.isdir(src):
         raise CheckpointError(f"{src} is not a folder")

@@ -16,6 +16,7 @@ from dsjax.checkpoint.targets import Target, abstract_model
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 from dsjax.quant import dequantize_fp4, dequantize_fp8, float_to_ue8m0, ue8m0_to_float
+from dsjax.run_config import WEIGHTS, check_choice
 
 def _np_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
@@ -56,8 +57,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     jax Mesh with axes dp/ep/tp, or a spec such as "ep=8", see `dsjax.parallel`) each device receiving only
     its slice of each array; a safetensors folder is loaded onto one device and then placed on `mesh`.
     """
-    if weights not in ("keep", "bf16"):
-        raise ValueError(f"weights must be 'keep' or 'bf16', got {weights!r}")
+    check_choice("weights", weights, WEIGHTS)
     folder = os.fspath(path)
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder} is not a folder")

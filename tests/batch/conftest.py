@@ -13,9 +13,6 @@ from dsjax.checkpoint.save import save_model
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 
-JOB = dict(max_batch=4, max_len=512, chunk_size=64, dtype="float32", progress=False)
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     cfg = ModelConfig.from_hf({**ModelConfig.preset("tiny").to_hf(), "vocab_size": 129280,

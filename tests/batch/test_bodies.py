@@ -20,6 +20,7 @@ from dsjax.batch.bodies import complete_body
 from dsjax.batch.job import JobConfig, run_job
 from dsjax.batch.jobfile import InputLine
 from dsjax.batch.recipe import Recipe
+from dsjax.run_config import RunConfig
 from dsjax.embedded import MODEL_DIR
 
 CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messages"
@@ -221,8 +222,8 @@ REQUESTS = [
 def test_job_bodies_validate_with_the_sdks(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
-    summary = run_job(JobConfig(model=MODEL_DIR, input=str(inp), output=str(out), max_batch=8, max_len=512,
-                                chunk_size=128, dtype="float32", progress=False))
+    summary = run_job(JobConfig(model=MODEL_DIR, input=str(inp), output=str(out), progress=False,
+                                run=RunConfig(slots=8, max_len=512, chunk_size=128, dtype="float32")))
     assert summary["requests_ok"] == len(REQUESTS)
     urls = {r["custom_id"]: r["url"] for r in REQUESTS}
     records = [json.loads(raw) for raw in out.read_text().splitlines()]

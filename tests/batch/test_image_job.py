@@ -13,8 +13,7 @@ from PIL import Image
 
 from dsjax.batch.job import JobConfig, run_job
 from dsjax.cli import main
-from tests.batch.conftest import JOB
-from tests.batch.test_job import canonical, records, write_jsonl
+from tests.batch.test_job import JOB, canonical, records, write_jsonl
 from tests.helpers import recipe_prompt_tokens
 
 M = "DeepSeek-V4.1-Flash"
@@ -105,7 +104,7 @@ def test_bad_and_refused_images_become_error_records(tmp_path, tiny_vision_model
     (tmp_path / "big.png").write_bytes(_png(8, 8, 1) + bytes(20 << 20))  # past the 20 MiB a file may have
     inp = write_jsonl(tmp_path / "in.jsonl", items)
     out = str(tmp_path / "out.jsonl")
-    args = ["generate", "--model", tiny_vision_model_dir, "--input", inp, "--output", out, "--max-batch", "2",
+    args = ["generate", "--model", tiny_vision_model_dir, "--input", inp, "--output", out, "--slots", "2",
             "--max-len", "512", "--chunk-size", "64", "--dtype", "float32", "--quiet"]
     assert main(args + (["--allow-remote-images"] if flag else [])) == 0
     recs = {r["custom_id"]: r for r in records(out)}
@@ -193,7 +192,7 @@ def test_image_requests_on_a_mesh_give_the_same_records(tmp_path, tiny_vision_mo
     for mesh in ([], ["--mesh", "dp=2,ep=4"]):
         out = str(tmp_path / f"{len(outs)}.jsonl")
         assert main(["generate", "--model", tiny_vision_model_dir, "--input", inp, "--output", out,
-                     "--max-batch", "4", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32",
+                     "--slots", "4", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32",
                      "--quiet", *mesh]) == 0
         outs.append(sorted((canonical(r) for r in records(out)), key=lambda r: r["custom_id"]))
     assert all(r["response"]["status_code"] == 200 for r in outs[0])

@@ -9,6 +9,7 @@ import pytest
 import dsjax
 from dsjax.embedded import HERE, MODEL_DIR
 from dsjax.engine.scoring import teacher_forced_logprobs
+from dsjax.run_config import RunConfig
 from dsjax.training.loss import evaluate, unigram_entropy
 from tests.helpers import recipe_prompt_tokens
 
@@ -67,8 +68,8 @@ def test_shapes_task_through_generate_beats_chance_by_far(tmp_path):
     prompt usage is the recipe's."""
     from dsjax.training.vision import task_accuracy
 
-    result = task_accuracy(MODEL_DIR, 48, 1000, str(tmp_path), max_batch=16, max_len=256, chunk_size=128,
-                           dtype="float32", progress=False)
+    result = task_accuracy(MODEL_DIR, 48, 1000, str(tmp_path), run=RunConfig(slots=16, max_len=256, chunk_size=128,
+                           dtype="float32"), progress=False)
     print({k: v for k, v in result.items() if k != "records"})
     assert result["errors"] == 0
     assert all(r["response"]["status_code"] == 200 for r in result["records"])

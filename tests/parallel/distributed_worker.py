@@ -23,7 +23,7 @@ def main() -> None:
     from jax.experimental import multihost_utils
 
     import dsjax
-    from dsjax import SamplingParams, generate
+    from dsjax import RunConfig, SamplingParams, generate
     from dsjax.parallel.mesh import make_mesh
 
     from tests.parallel.test_distributed import IDS, PROMPTS
@@ -34,7 +34,7 @@ def main() -> None:
     with jax.set_mesh(mesh):
         logits = multihost_utils.process_allgather(nnx.jit(lambda m, x: m(x))(model, np.asarray(IDS)), tiled=True)
         tokens = [r.tokens for r in generate(model, PROMPTS, SamplingParams(temperature=0.0, max_tokens=16),
-                                             max_batch=4)]
+                                             run=RunConfig(slots=4, max_len=64, chunk_size=64))]
     np.save(f"{out}.{pid}.npy", np.asarray(logits))
     with open(f"{out}.{pid}.json", "w") as f:
         json.dump(tokens, f)

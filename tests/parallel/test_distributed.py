@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dsjax
-from dsjax import SamplingParams, generate
+from dsjax import RunConfig, SamplingParams, generate
 from dsjax.checkpoint.convert import convert
 from tests.helpers import assert_close
 from tests.parallel.processes import free_port, process_env, run_processes, tails
@@ -31,7 +31,7 @@ def test_two_processes_agree_with_one(release, tmp_path):
     model = dsjax.load_model(release)
     want_logits = np.asarray(model(jnp.asarray(IDS)))
     want_tokens = [r.tokens for r in generate(model, PROMPTS, SamplingParams(temperature=0.0, max_tokens=16),
-                                              max_batch=4)]
+                                              run=RunConfig(slots=4, max_len=64, chunk_size=64))]
     for pid in (0, 1):
         assert_close(np.load(f"{out}.{pid}.npy"), want_logits, rtol=1e-5)
         assert json.loads(Path(f"{out}.{pid}.json").read_text()) == want_tokens

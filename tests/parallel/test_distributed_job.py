@@ -42,7 +42,7 @@ REQUESTS = [
               "thinking": {"type": "disabled"}}},
     chat("greedy", "a duplicate custom_id", max_tokens=5),
 ]
-JOB = ["--mesh", "dp=2,ep=4", "--max-batch", "2", "--max-len", "32", "--chunk-size", "16", "--dtype", "float32",
+JOB = ["--mesh", "dp=2,ep=4", "--slots", "2", "--max-len", "32", "--chunk-size", "16", "--dtype", "float32",
        "--quiet"]
 _DIST_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
