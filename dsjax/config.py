@@ -19,7 +19,6 @@ SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 ATTENTION_TYPES = (SLIDING, CSA, HCA)
-KERNEL_CHOICES = ("auto", "reference", "interpret")
 HASH_MOE = "hash_moe"
 MOE = "moe"
 MLP_TYPES = (HASH_MOE, MOE)
@@ -233,11 +232,6 @@ class ModelConfig:
     quantization: QuantConfig | None = None
     # None: text only (V4-Flash). V4.1-Flash reads images through this encoder.
     vision: VisionConfig | None = None
-    # Not architecture: how the kernel-backed operations run (attention, the indexer, the experts, mHC's
-    # Sinkhorn: `dsjax.kernels`). "auto" uses the Pallas kernels on GPUs and TPUs and the pure-JAX
-    # references elsewhere; "reference" uses the references everywhere; "interpret" runs the GPU kernels
-    # interpreted (any backend; slow, for tests). Never written to HF.
-    kernels: str = "auto"
 
     def __post_init__(self):
         self.validate()
@@ -293,8 +287,6 @@ class ModelConfig:
                                              or rope.original_max_position_embeddings is None):
                 raise ConfigError(f"rope '{label}' is YaRN but lacks 'factor' or "
                                   "'original_max_position_embeddings'")
-        if self.kernels not in KERNEL_CHOICES:
-            raise ConfigError(f"kernels must be one of {KERNEL_CHOICES}; got {self.kernels!r}")
         for t in set(self.layer_types) - {SLIDING}:
             if self.compress_rate(t) <= 0:
                 raise ConfigError(f"compress rate for {t} must be positive")

@@ -22,6 +22,7 @@ from dsjax.layers.mhc import HyperHead
 from dsjax.layers.norms import RMSNorm
 from dsjax.layers.vision import VisionEncoder
 from dsjax.numerics import einsum
+from dsjax.run_config import KERNELS, check_choice
 from dsjax.stacked import READ_IN_PLACE, StackedSlice
 
 _MAX_PERIOD = 4
@@ -101,8 +102,10 @@ class StackedLayers(nnx.Module):
         (h_bsnh, _), records = jax.lax.scan(body, (h_bsnh, jnp.int32(0)), state)
         return h_bsnh, records
 
-    def extend(self, h_bcnh, token_ids_bc, start_b, n_valid_b, caches: tuple):
-        """Cached form: `caches[p]` is pattern position p's LayerCache stacked over the repeats."""
+    def extend(self, h_bcnh: jax.Array, token_ids_bc: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
+               caches: tuple) -> tuple[jax.Array, tuple]:
+        """Cached form: `caches[p]` is pattern position p's LayerCache stacked over the repeats; returns the
+        streams and the new caches."""
         layers_at, state = self._scanned()
 
         def body(carry, xs):
@@ -229,6 +232,17 @@ class DeepseekV4(nnx.Module):
             valid_bs = jnp.arange(input_ids.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
             logits = jnp.where(valid_bs[..., None], logits, 0.0)
         return (logits, per_layer) if record else logits
+
+
+def with_kernels(model: nnx.Module, kernels: str) -> nnx.Module:
+    """`model` with its kernel-backed operations (attention, the indexer, the experts, mHC's Sinkhorn) run
+    as `kernels` says (`dsjax.run_config.KERNELS`): a new module tree over the same weights (nothing is
+    copied). How the operations run is a run option, part of the programs and not of the architecture,
+    so it is set here and not in `ModelConfig`."""
+    check_choice("kernels", kernels, KERNELS)
+    model = nnx.merge(*nnx.split(model))
+    model.set_attributes(kernels=kernels, raise_if_not_found=False)
+    return model
 
 
 def abstract_state(cfg: ModelConfig, dtype=jnp.bfloat16) -> tuple[nnx.GraphDef, list]:

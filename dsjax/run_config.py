@@ -29,6 +29,16 @@ class RunConfigError(ValueError):
     """A run option out of range; the message names the option."""
 
 
+def check_choice(name: str, value, choices: tuple, *, none: str | None = None) -> None:
+    """Raise RunConfigError naming `name` unless `value` is one of `choices` (or None, where `none` says
+    what None means). The one check of a run option's value, wherever a function takes it directly."""
+    if value is None and none is not None:
+        return
+    if value not in choices:
+        also = f" (or None: {none})" if none is not None else ""
+        raise RunConfigError(f"{name} must be one of {choices}{also}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Run options: `slots` sequences in flight, each of up to `max_len` tokens, prompts prefilled
@@ -56,10 +66,8 @@ class RunConfig:
                           DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "weights", _OLD_WEIGHTS[self.weights])
         for name, choices in (("dtype", DTYPES), ("weights", WEIGHTS), ("kernels", KERNELS)):
-            if getattr(self, name) not in choices:
-                raise RunConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-            raise RunConfigError(f"kv_dtype must be one of {KV_DTYPES} (or None: dtype), got {self.kv_dtype!r}")
+            check_choice(name, getattr(self, name), choices)
+        check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, none="dtype")
         if self.mesh is not None:
             if not isinstance(self.mesh, str):
                 raise RunConfigError(f"mesh must be a spec such as 'dp=2,ep=4', got {self.mesh!r}")

@@ -6,7 +6,7 @@ import numpy as np
 from flax import nnx
 
 from dsjax.config import CSA, HCA, HASH_MOE, MOE, ModelConfig
-from dsjax.model import DeepseekV4, layer_groups
+from dsjax.model import DeepseekV4, layer_groups, with_kernels
 
 
 def test_layer_groups_cover_schedule_in_order():
@@ -49,7 +49,7 @@ def test_layer_view_matches_stacked_weights():
                                   np.asarray(group.layers[0].self_attn.kv_proj.weight[...][0]))
 
 
-def _quantized_group_cfg(kernels: str = "auto") -> ModelConfig:
+def _quantized_group_cfg() -> ModelConfig:
     """Three hash-routed MoE layers in one scanned group, FP4 experts the expert kernel can tile. (Hash
     routing depends on the token ids only: learned routing could pick other experts for a token after
     a rounding difference, and the logits would differ by more than rounding.)"""
@@ -59,7 +59,7 @@ def _quantized_group_cfg(kernels: str = "auto") -> ModelConfig:
     return ModelConfig.from_hf({**ModelConfig.preset("tiny").to_hf(), "num_hidden_layers": 3,
                                 "layer_types": ["sliding_attention"] * 3, "mlp_layer_types": ["hash_moe"] * 3,
                                 "hidden_size": 128, "moe_intermediate_size": 128}).replace(
-        quantization=quant, kernels=kernels)
+        quantization=quant)
 
 
 def test_scan_hands_quantized_experts_over_as_stacked_slices():
@@ -95,9 +95,7 @@ def test_quantized_group_with_the_expert_kernel_matches_the_reference():
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 6)), jnp.int32)
     model = random_model(_quantized_group_cfg())  # random hash routing: each token its own experts
     want = np.asarray(dequantize_model(model).forward(ids))
-    graphdef, state = nnx.split(model)
-    kernel = nnx.merge(nnx.split(DeepseekV4(_quantized_group_cfg("interpret"), rngs=nnx.Rngs(0),
-                                            dtype=jnp.bfloat16))[0], state)
+    kernel = with_kernels(model, "interpret")
     for got in (model.forward(ids), jax.jit(lambda m, x: m.forward(x))(kernel, ids)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-2 * np.abs(want).max())
     # the cached path's scan (`extend`) as well
@@ -118,3 +116,24 @@ def test_quantized_group_with_the_expert_kernel_matches_the_reference():
     # gate_up [E=8, 2I=256, H/2=64] and down [8, 128, 64] int8 per layer, or as the kernel's int32 words
     for shape in ("8x256x64xi8", "8x128x64xi8", "8x256x16xi32", "8x128x16xi32"):
         assert f"tensor<{shape}>" not in text and f"tensor<1x{shape}>" not in text
+
+
+def test_with_kernels_sets_every_kernel_backed_operation_over_the_same_weights():
+    """`with_kernels` is how a run picks its kernels (not the config): every module that calls a kernel op
+    takes the choice, the weights are the very same arrays, and the original model is left as it was."""
+    import pytest
+
+    from dsjax.run_config import RunConfigError
+
+    model = DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+    chosen = with_kernels(model, "interpret")
+
+    def kinds(m):
+        return {(type(mod).__name__, mod.kernels) for _, mod in nnx.iter_modules(m) if hasattr(mod, "kernels")}
+
+    assert kinds(chosen) == {(n, "interpret") for n in ("Attention", "Indexer", "RoutedExperts", "HyperConnection")}
+    assert {k for _, k in kinds(model)} == {"auto"}
+    assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(chosen))))
+    assert nnx.split(chosen)[0] != nnx.split(model)[0]  # a different program, jit compiles it apart
+    with pytest.raises(RunConfigError, match="kernels must be one of"):
+        with_kernels(model, "triton")

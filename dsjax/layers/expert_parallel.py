@@ -52,7 +52,7 @@ class _Local:
         gate_up_scale, down_scale = scales or (None, None)
         return grouped_mlp(x_nh, weights_nk, idx_nk, matmul_experts(gate_up, gate_up_scale, e.storage, cfg),
                            matmul_experts(down, down_scale, e.storage, cfg), cfg,
-                           first_expert=self.first_expert(), tp_axis=self.tp)
+                           first_expert=self.first_expert(), tp_axis=self.tp, kernels=e.kernels)
 
 
 def gathered_dispatch(local: _Local, x_nh, weights_nk, idx_nk, gate_up, down, scales) -> jax.Array:

@@ -50,6 +50,7 @@ class RoutedExperts(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
+        self.kernels = "auto"  # a run option (`dsjax.model.with_kernels`)
         quant = cfg.quantization
         self.storage = None if quant is None else quant.expert_dtype
         for name, (d_in, d_out), axes_io in (("gate_up_proj", (h, 2 * i), ("embed", "ffn")),
@@ -81,7 +82,8 @@ class RoutedExperts(nnx.Module):
     def __call__(self, x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array) -> jax.Array:
         """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])`: pairs sorted by expert, two grouped matmuls."""
         return grouped_mlp(x_nh, weights_nk, idx_nk, *(matmul_experts(*self.stored(name), self.storage, self.cfg)
-                                                       for name in ("gate_up_proj", "down_proj")), self.cfg)
+                                                       for name in ("gate_up_proj", "down_proj")), self.cfg,
+                           kernels=self.kernels)
 
 
 def dense_experts(w: jax.Array | StackedSlice, scale: jax.Array | StackedSlice | None, storage: str | None,
@@ -120,10 +122,10 @@ def matmul_experts(w: jax.Array | StackedSlice, scale: jax.Array | StackedSlice 
 
 
 def _grouped_matmul(x_ph: jax.Array, experts: jax.Array | StoredExperts, group_sizes: jax.Array,
-                    cfg: ModelConfig) -> jax.Array:
+                    kernels: str) -> jax.Array:
     if isinstance(experts, StoredExperts):
         return expert_matmul(x_ph, experts.w, experts.scale, group_sizes, experts.storage, experts.block,
-                             kernels=cfg.kernels)
+                             kernels=kernels)
     import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
 
     return tokamax.ragged_dot(x_ph, experts.astype(x_ph.dtype), group_sizes, precision=precision(x_ph),
@@ -135,7 +137,7 @@ _ROW_TILE = 8
 
 def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array,
                 gate_up_eio: jax.Array | StoredExperts, down_eio: jax.Array | StoredExperts, cfg: ModelConfig,
-                first_expert: jax.Array | int = 0, tp_axis: str | None = None) -> jax.Array:
+                first_expert: jax.Array | int = 0, tp_axis: str | None = None, kernels: str = "auto") -> jax.Array:
     """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])` over the experts `[first_expert, first_expert + E')`
     whose weights are given (E' = gate_up_eio.shape[0]; float `[E', in, out]` or `StoredExperts`); pairs
     routed elsewhere contribute nothing.
@@ -144,7 +146,8 @@ def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array,
     Inside a shard_map whose `tp_axis` splits the FFN width, the weights are this device's slice of
     gate_up's `[gate | up]` columns and of down's rows, and the result is a partial sum over `tp_axis`.
     The gate and up columns a device needs sit on different devices of that split, so the gate_up
-    outputs are all-gathered over `tp_axis` before the SwiGLU."""
+    outputs are all-gathered over `tp_axis` before the SwiGLU. `kernels` picks the quantized experts' matmul
+    (`dsjax.kernels.dispatch`)."""
     n, k = idx_nk.shape
     e_local = gate_up_eio.shape[0]
     local_e = idx_nk.reshape(-1) - first_expert
@@ -155,7 +158,7 @@ def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array,
     x_ph = jnp.take(x_nh, order // k, axis=0)
     # tokamax's Mosaic GPU kernel tiles the rows by 8: pad them (the padding belongs to no group).
     x_ph = jnp.pad(x_ph, ((0, -x_ph.shape[0] % _ROW_TILE), (0, 0)))
-    gate_up_p = _grouped_matmul(x_ph, gate_up_eio, group_sizes, cfg)
+    gate_up_p = _grouped_matmul(x_ph, gate_up_eio, group_sizes, kernels)
     inter = cfg.moe_intermediate_size
     width = down_eio.shape[1]  # this device's share of the FFN width (all of it without tp)
     start = 0
@@ -165,7 +168,7 @@ def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array,
     gate_p = jax.lax.dynamic_slice_in_dim(gate_up_p, start, width, axis=1)
     up_p = jax.lax.dynamic_slice_in_dim(gate_up_p, inter + start, width, axis=1)
     act_p = clamped_swiglu(gate_p, up_p, cfg.swiglu_limit)
-    y_ph = _grouped_matmul(act_p, down_eio, group_sizes, cfg)
+    y_ph = _grouped_matmul(act_p, down_eio, group_sizes, kernels)
     y_ph = y_ph[: n * k] * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
     y_ph = jnp.where(jnp.take(mine, order)[:, None], y_ph, 0)  # rows past the groups are not defined
     y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)

@@ -23,6 +23,7 @@ class HyperConnection(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         n = cfg.hc_mult
         self.cfg = cfg
+        self.kernels = "auto"  # a run option (`dsjax.model.with_kernels`)
         self.fn = nnx.Param(0.02 * jax.random.normal(rngs.params(), ((2 + n) * n, n * cfg.hidden_size)))
         self.base = nnx.Param(jnp.zeros(((2 + n) * n,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
@@ -39,7 +40,7 @@ class HyperConnection(nnx.Module):
         post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * s_post + base[n:2 * n])
         comb_logits = mix[..., 2 * n:].reshape(b, s, n, n) * s_comb + base[2 * n:].reshape(n, n)
         comb = jax.nn.softmax(comb_logits, axis=-1) + cfg.hc_eps
-        comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps, kernels=cfg.kernels)
+        comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps, kernels=self.kernels)
         return post, comb, collapse(pre, h_bsnh)
 
 

@@ -12,9 +12,12 @@ from flax import nnx
 import dsjax
 from dsjax import SamplingParams, generate
 from dsjax.config import ModelConfig
+from dsjax.engine.engine import Engine
+from dsjax.model import with_kernels
 from dsjax.parallel.mesh import make_mesh
 from dsjax.parallel.shard import shard_model
 from dsjax.quantize import quantize_model
+from dsjax.run_config import RunConfig
 from tests.helpers import assert_close
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 11)))  # 22 tokens: padded to 24 for 8 shards
@@ -27,11 +30,12 @@ def model():
 
 PROMPTS = [[5, 17, 300, 2], [7, 9], [11, 12, 13], [1]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+RUN = RunConfig(slots=4, max_len=36, chunk_size=64)  # room for the longest prompt and 32 tokens
 
 
 @pytest.fixture(scope="module")
 def one_device_tokens(model):
-    return [r.tokens for r in generate(model, PROMPTS, GREEDY, max_batch=4)]
+    return [r.tokens for r in generate(model, PROMPTS, GREEDY, run=RUN)]
 
 
 def forward(model, ids):
@@ -50,7 +54,7 @@ def test_logits_equal_one_device(model, spec):
 def test_greedy_decode_equals_one_device(model, one_device_tokens, spec):
     mesh = make_mesh(spec)
     with jax.set_mesh(mesh):
-        got = [r.tokens for r in generate(shard_model(model, mesh), PROMPTS, GREEDY, max_batch=4)]
+        got = [r.tokens for r in generate(shard_model(model, mesh), PROMPTS, GREEDY, run=RUN)]
     assert got == one_device_tokens and all(len(t) == 32 for t in got)
 
 
@@ -98,19 +102,18 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
 def test_cache_slots_are_split_and_decoding_does_not_recompile(model):
     """Data-parallel attention: each device holds the cache of its own slots; the steps keep that layout,
     so the decode loop reuses its programs."""
-    from dsjax.engine.steps import Engine
-
     mesh = make_mesh("dp=2,ep=4")
     sharded = shard_model(model, mesh)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     with jax.set_mesh(mesh):
-        cache = Engine(sharded, num_slots=8, max_len=64, chunk_size=16).new_cache()
+        cache = Engine(sharded, RunConfig(slots=8, max_len=64, chunk_size=16)).new_cache()
         leaf = jax.tree.leaves(cache.groups)[0]
         assert leaf.sharding.spec[:2] == (None, ("dp", "ep")) and leaf.addressable_shards[0].data.shape[1] == 1
         assert cache.lengths.sharding.is_fully_replicated
-        generate(sharded, [[5, 6, 7]] * 8, params, max_batch=8)
+        generate(sharded, [[5, 6, 7]] * 8, params, run=RunConfig(slots=8, max_len=15, chunk_size=64))
         warm = Engine.compilations()
-        out = generate(sharded, [[9, 8, 7]] * 3 + [[1, 2, 3]] * 5, params, max_batch=8)  # same shapes
+        out = generate(sharded, [[9, 8, 7]] * 3 + [[1, 2, 3]] * 5, params,
+                       run=RunConfig(slots=8, max_len=15, chunk_size=64))  # same shapes
         assert Engine.compilations() == warm and all(len(r.tokens) == 12 for r in out)
 
 
@@ -218,7 +221,6 @@ def test_decode_fed_the_step_in_flights_tokens_does_not_compile_again(model):
     step in flight's (on the mesh): both reach the step replicated on the mesh, so one decode step
     (two tokens) compiles everything a longer run needs."""
     from dsjax.engine.scheduler import Request, run
-    from dsjax.engine.steps import Engine
 
     mesh = make_mesh("dp=2,ep=4")
     sharded = shard_model(model, mesh)
@@ -227,7 +229,7 @@ def test_decode_fed_the_step_in_flights_tokens_does_not_compile_again(model):
         return [Request(i, (5, 6, 7), SamplingParams(temperature=0.0, max_tokens=n), i, frozenset()) for i in range(8)]
 
     with jax.set_mesh(mesh):
-        engine = Engine(sharded, num_slots=8, max_len=16, chunk_size=8)
+        engine = Engine(sharded, RunConfig(slots=8, max_len=16, chunk_size=8))
         list(run(engine, requests(2)))
         warm = Engine.compilations()
         events = list(run(engine, requests(6)))
@@ -240,8 +242,8 @@ def test_the_expert_kernel_runs_inside_the_expert_parallel_shard_map():
     kernel gives on one device."""
     from dsjax.layers.expert_parallel import routed_experts_parallel
 
-    cfg = ModelConfig.preset("tiny").replace(hidden_size=256, moe_intermediate_size=128, kernels="interpret")
-    quantized = quantize_model(dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(2), dtype=jnp.float32))
+    cfg = ModelConfig.preset("tiny").replace(hidden_size=256, moe_intermediate_size=128)
+    quantized = with_kernels(quantize_model(dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(2), dtype=jnp.float32)), "interpret")
     experts = quantized.layer(1).mlp.experts
     x, w, idx = routing(cfg, 16, seed=4)
     x = x.astype(jnp.bfloat16)  # the kernel's activations
@@ -264,7 +266,7 @@ def test_stacked_experts_enter_the_shard_map_uncut():
     from tests.test_model import _quantized_group_cfg
 
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 512, (8, 6)), jnp.int32)
-    one = dsjax.DeepseekV4(_quantized_group_cfg("interpret"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    one = with_kernels(dsjax.DeepseekV4(_quantized_group_cfg(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16), "interpret")
     want = np.asarray(forward(one, ids), np.float32)
     mesh = make_mesh("dp=2,ep=4")
     graphdef, state = nnx.split(shard_model(one, mesh))

@@ -11,7 +11,7 @@ import dsjax
 from dsjax.config import ModelConfig
 from dsjax.layers.expert_parallel import _Local, ragged_dispatch
 from tests.helpers import assert_close
-from tests.layers.test_expert_parallel import routing
+from tests.layers.test_expert_parallel import RUN, routing
 
 pytestmark = pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs an accelerator")
 
@@ -55,12 +55,12 @@ def test_expert_parallel_model_on_several_accelerators():
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 500, (2, 11)))
     prompts, greedy = [[5, 17, 300, 2], [7, 9], [11, 12, 13], [1]], SamplingParams(temperature=0.0, max_tokens=16)
     want_logits = np.asarray(model(ids))
-    want_tokens = [r.tokens for r in generate(model, prompts, greedy, max_batch=4)]
+    want_tokens = [r.tokens for r in generate(model, prompts, greedy, run=RUN)]
     mesh = make_mesh(f"ep={n_dev}")
     sharded = shard_model(model, mesh)
     with jax.set_mesh(mesh):
         logits = np.asarray(nnx.jit(lambda m, x: m(x))(sharded, ids))
-        tokens = [r.tokens for r in generate(sharded, prompts, greedy, max_batch=4)]
+        tokens = [r.tokens for r in generate(sharded, prompts, greedy, run=RUN)]
     assert_close(logits, want_logits, rtol=1e-5)
     assert tokens == want_tokens
 
