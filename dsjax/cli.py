@@ -12,7 +12,7 @@ from dsjax.compile_cache import compile_cache
 from dsjax.config import ModelConfig
 from dsjax.parallel import distributed
 from dsjax.quant import KV_DTYPES
-from dsjax.run_config import DTYPES, KERNELS, WEIGHTS, RunConfig, RunConfigError
+from dsjax.run_config import DTYPES, KERNELS, RENAMED_WEIGHTS, WEIGHTS, RunConfig, RunConfigError
 
 # The run options (`RunConfig`'s fields) as flags, one name each whatever the sub-command: the flag, how
 # argparse reads it (choices: the code's own tuples), and what it means.
@@ -42,7 +42,7 @@ _EVERY = tuple(_RUN_FLAGS)  # for the commands that compile the engine's steps
 # Spellings that still work until 0.2, each printing the one that replaces it.
 _GOES_IN = "0.2"
 _RENAMED_FLAGS = {"--max-batch": "--slots", "--batch": "--slots", "--chunk": "--chunk-size", "--context": "--max-len"}
-_RENAMED_VALUES = {"--weights": {"fp8": "keep"}}
+_RENAMED_VALUES = {"--weights": RENAMED_WEIGHTS}
 
 
 def _deprecated(old: str, new: str) -> None:

@@ -79,7 +79,7 @@ import uuid
 from pathlib import Path
 
 from dsjax.kernels.devices import core_count
-from dsjax.run_config import RunConfig
+from dsjax.run_config import RENAMED_WEIGHTS, RunConfig
 
 FORMAT = "dsjax-export/1"
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -463,8 +463,9 @@ def load_steps(folder: str | os.PathLike, verify: bool = True) -> LoadedSteps:
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: format {manifest.get('format')!r}, this dsjax reads {FORMAT!r}")
-    if manifest.get("weights") == "fp8":  # an export written before "keep" named the same storage
-        manifest["weights"] = "keep"
+    # An export written before "keep" named the same storage "fp8".
+    if manifest.get("weights") in RENAMED_WEIGHTS:
+        manifest["weights"] = RENAMED_WEIGHTS[manifest["weights"]]
     exported = {}
     for name, desc in manifest["steps"].items():
         blob = (folder / desc["file"]).read_bytes()

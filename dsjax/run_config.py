@@ -22,7 +22,7 @@ WEIGHTS = ("keep", "bf16")
 # "auto": the Pallas kernels on GPUs and TPUs, the pure-JAX references elsewhere; "reference": the
 # references everywhere; "interpret": the GPU kernels in Pallas's interpreter (tests on CPU).
 KERNELS = ("auto", "reference", "interpret")
-_OLD_WEIGHTS = {"fp8": "keep"}  # plan, bench and export's spelling until 0.2
+RENAMED_WEIGHTS = {"fp8": "keep"}  # plan, bench and export's spelling until 0.2 (the CLI says so too)
 
 
 class RunConfigError(ValueError):
@@ -60,11 +60,11 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise RunConfigError(f"{name} must be an integer of at least {least}, got {value!r}")
-        if self.weights in _OLD_WEIGHTS:
-            warnings.warn(f"weights={self.weights!r} is now spelled {_OLD_WEIGHTS[self.weights]!r} "
+        if self.weights in RENAMED_WEIGHTS:
+            warnings.warn(f"weights={self.weights!r} is now spelled {RENAMED_WEIGHTS[self.weights]!r} "
                           f"(one vocabulary for every command); {self.weights!r} goes in 0.2",
                           DeprecationWarning, stacklevel=3)
-            object.__setattr__(self, "weights", _OLD_WEIGHTS[self.weights])
+            object.__setattr__(self, "weights", RENAMED_WEIGHTS[self.weights])
         for name, choices in (("dtype", DTYPES), ("weights", WEIGHTS), ("kernels", KERNELS)):
             check_choice(name, getattr(self, name), choices)
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, none="dtype")
