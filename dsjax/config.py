@@ -21,6 +21,7 @@ HCA = "heavily_compressed_attention"
 ATTENTION_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE = "hash_moe"
 MOE = "moe"
+IMAGE_MOE = "image_moe"  # DeepSeek-V4.1: top-k routing with a separate selection bias for image tokens
 MLP_TYPES = (HASH_MOE, MOE)
 
 # Legacy per-layer `compress_ratios` ints; only these three values exist.
@@ -236,6 +237,9 @@ class ModelConfig:
     def __post_init__(self):
         self.validate()
 
+    family = "v4"
+    q_head_norm = True  # the unweighted per-head RMSNorm of the queries (V4.1 has none)
+
     # ---------------------------------------------------------------- derived
     @property
     def qk_rope_head_dim(self) -> int:
@@ -309,6 +313,9 @@ class ModelConfig:
     @classmethod
     def _from_raw(cls, raw: dict[str, Any]) -> "ModelConfig":
         mt = raw.get("model_type", "deepseek_v4")
+        if mt in ("deepseek_v41", "deepseek_v41_text"):
+            raise ConfigError("this is a DeepSeek-V4.1 config: read it with dsjax.config_v41.V41Config (load_model, "
+                              "generate and `dsjax info` do); `dsjax plan`, `bench` and `export` take V4 models so far")
         if mt != "deepseek_v4":
             raise ConfigError(f"model_type is {mt!r}; dsjax reads only 'deepseek_v4' configs")
         return cls(**_derive(raw))

@@ -72,20 +72,164 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # DeepSeek-V4-Flash: the reference's default dimensions (DeepseekV4Config()), 43 layers.
     "v4-flash": {"model_type": "deepseek_v4"},
-    # DeepSeek-V4.1-Flash: the V4 architecture with 40 decoder layers and ~552B parameters, as DeepSeek
-    # describes it. DeepSeek has not published the remaining dimensions; ours keep every V4-Flash
-    # attention, mHC and indexer dimension and grow the routed-expert pool, which is where V4 keeps its
-    # parameters: 544 routed experts (68 per GPU on 8, 17 per GPU on 32) of width 2048, 6 active per
-    # token, as in V4-Flash. The first 3 layers stay hash-routed and the CSA/HCA schedule is the
-    # reference default truncated to 40 layers. Total: see `dsjax info --preset v4.1-flash`.
-    # Its image encoder (dsjax's design: no V4.1 vision weights or code are public; `layers/vision.py`):
-    # a 24-layer ViT of width 1024 (16 heads, MLP 4096) over 14-pixel patches, 3×3 patches merged into
-    # one decoder embedding by a 2-layer MLP: 357M parameters, kept in bf16.
+    # DeepSeek-V4.1-Flash as released (deepseek-ai/DeepSeek-V4.1-Flash, 2026-09-10): the text of its nested
+    # config.json (../shared/reference/deepseek_v41_spec.md §1). A 40-layer causal encoder-decoder with CSA2,
+    # Engram and single-pass mHC, a 32-layer image encoder, three DSpark draft stages; FP8 weights in 32×32
+    # blocks with UE8M0 scales, FP4 routed experts.
     "v4.1-flash": {
-        "model_type": "deepseek_v4",
-        "num_hidden_layers": 40,
-        "n_routed_experts": 544,
-        "vision_config": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "intermediate_size": 4096},
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "image_token_id": 129264,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "tie_word_embeddings": False,
+        "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
+        "text_config": {
+            "model_type": "deepseek_v41_text",
+            "vocab_size": 129280,
+            "hidden_size": 5120,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 1,
+            "head_dim": 512,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": 1280,
+            "o_groups": 8,
+            "o_lora_rank": 1024,
+            "hidden_act": "silu",
+            "swiglu_limit": 10.0,
+            "rms_norm_eps": 1e-20,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "max_position_embeddings": 1048576,
+            "rope_theta": 10000,
+            "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                             "original_max_position_embeddings": 65536},
+            "compress_rope_theta": 160000,
+            "n_routed_experts": 384,
+            "num_experts_per_tok": 6,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 2304,
+            "scoring_func": "sqrtsoftplus",
+            "topk_method": "noaux_tc",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.5,
+            "sliding_window": 128,
+            "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+            "kv_source_layer_ids": [2, 8, 14, 20],
+            "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+            "index_n_heads": 32,
+            "index_head_dim": 128,
+            "index_topk": 512,
+            "candidate_source_layer_id": 20,
+            "candidate_topk_blocks": 2048,
+            "candidate_block_size": 8,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "engram_layer_ids": [1, 14],
+            "engram_num_embeddings": [384006168, 384016682],
+            "engram_max_ngram_size": 4,
+            "engram_vocab_size": 16000000,
+            "engram_n_heads": 8,
+            "engram_head_dim": 256,
+            "engram_pad_token_id": 2,
+            "engram_compressed_vocab_size": 99092,
+            "num_nextn_predict_layers": 3,
+            "dspark_block_size": 5,
+            "dspark_noise_token_id": 128799,
+            "dspark_target_layer_ids": [37, 38, 39],
+            "dspark_markov_rank": 256,
+            "dspark_n_routed_experts": 128,
+            "dspark_num_experts_per_tok": 3,
+            "initializer_range": 0.02,
+            "use_cache": True,
+        },
+        "vision_config": {
+            "model_type": "deepseek_v41_vision",
+            "num_hidden_layers": 32,
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "intermediate_size": 2816,
+            "patch_size": 14,
+            "rope_theta": 10000,
+            "downsample_ratio": 3,
+            "max_image_tokens": 1024,
+            "min_pixels": 295936,
+            "max_wh_ratio": None,
+        },
+    },
+    # V4.1 at CPU-test size, with everything the release schedules: sliding-only layers 0-1, ratio-2 layers
+    # 2-3 (2 a Full KV source, 3 a Reindex layer on 2's keys), ratio-1 layers 4-7 (4 the Full candidate
+    # source and first decoder layer, 5 a Reuse layer, 6 a Reindex layer inside 4's candidate pool, 7 a
+    # Reuse of 6); Engram before layers 1 and 3 over the 256-token vocabulary of `tiny_v41_vocabulary`
+    # (123 compressed ids; bucket primes above 49, tables of exactly their sums); candidate blocks of 8
+    # (DeepInfer's kernels allow 8 or 16, a multiple of 4 blocks). No image encoder, no DSpark stages.
+    "tiny-v4.1": {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "image_token_id": 255,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "deepseek_v41_text",
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "qk_rope_head_dim": 16,
+            "q_lora_rank": 32,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "hidden_act": "silu",
+            "swiglu_limit": 10.0,
+            "rms_norm_eps": 1e-20,
+            "max_position_embeddings": 4096,
+            "rope_theta": 10000,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
+                             "original_max_position_embeddings": 256},
+            "compress_rope_theta": 160000,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "scoring_func": "sqrtsoftplus",
+            "topk_method": "noaux_tc",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.5,
+            "sliding_window": 8,
+            "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1],
+            "kv_source_layer_ids": [2, 4],
+            "index_source_layer_ids": [2, 3, 4, 6],
+            "index_n_heads": 8,
+            "index_head_dim": 32,
+            "index_topk": 8,
+            "candidate_source_layer_id": 4,
+            "candidate_topk_blocks": 4,
+            "candidate_block_size": 8,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "engram_layer_ids": [1, 3],
+            "engram_num_embeddings": [384, 552],
+            "engram_max_ngram_size": 4,
+            "engram_vocab_size": 50,
+            "engram_n_heads": 2,
+            "engram_head_dim": 16,
+            "engram_pad_token_id": 2,
+            "engram_compressed_vocab_size": 123,
+            "num_nextn_predict_layers": 0,
+            "initializer_range": 0.02,
+        },
+        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0},
     },
 }
 
@@ -103,3 +247,25 @@ PRESETS["tiny-vision"] = {**PRESETS["tiny"], "vision_config": {"hidden_size": 32
 # encoder of width 32, trained by `scripts/train_vision.py` with the decoder frozen (`training/vision.py`).
 PRESETS["demo-vision"] = {**PRESETS["demo"], "vision_config": {"hidden_size": 32, "num_layers": 2, "num_heads": 2,
                                                                "intermediate_size": 64}}
+
+
+def tiny_v41_vocabulary() -> list[str]:
+    """The tiny V4.1 preset's 256-token word-level vocabulary (its `tokenizer.json` holds exactly these, id =
+    index). Engram keys tokens by their normalised text, so the words come in spellings that normalise
+    alike (case, accents, full-width forms, leading spaces) and whitespace runs that collapse, beside
+    plain words: the compressed vocabulary is smaller than the token vocabulary, as the release's is."""
+    specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>"]
+    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "sun", "sky", "red", "blue", "tree", "leaf",
+             "rain", "snow", "wind", "fire", "cafe", "naive", "resume", "over", "under", "and", "or", "not",
+             "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "is", "was", "it",
+             "a"]
+    accented = {"cafe": "café", "naive": "naïve", "resume": "résumé"}
+    vocab = list(specials)
+    for w in words:
+        vocab += [w, w.capitalize(), " " + w, " " + w.upper()]
+        if w in accented:
+            vocab += [accented[w], " " + accented[w].capitalize()]
+    vocab += ["ｃａｔ", "ＴＨＥ", "ﬁre", " ", "  ", "\n", "\t", " \n ", ".", ",", "!", "?", ":", ";", "(", ")",
+              "\ufffd", "a\ufffd", "'", '"', "-", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
+    vocab += [f"<tok{i}>" for i in range(256 - 1 - len(vocab))]
+    return vocab + ["<｜deepseek_image｜>"]
