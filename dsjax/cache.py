@@ -69,6 +69,7 @@ class LayerCache:
     window: jax.Array | PackedKV  # [B, W, D]
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    keys: jax.Array | None = None  # V4.1 KV source: the index keys of its entries [B, max_len // m, c]
 
 
 @jax.tree_util.register_dataclass
@@ -76,6 +77,8 @@ class LayerCache:
 class Cache:
     lengths: jax.Array  # [B] tokens already in each slot
     groups: tuple  # per layer group, per pattern position: a LayerCache stacked over the group's repeats
+    # V4.1 with Engram: [B, max_ngram − 1] compressed ids of each slot's last tokens, −1 none or not text
+    history: jax.Array | None = None
 
     @property
     def num_slots(self) -> int:
@@ -150,21 +153,24 @@ def write_window(ring: Rows, kv_bcd: jax.Array, start_b: jax.Array, n_valid_b: j
     return _write_ring(ring, as_rows(kv_bcd, ring), start_b, n_valid_b)
 
 
-def extend_window(ring: Rows, kv_bcd: jax.Array, start_b: jax.Array,
-                  n_valid_b: jax.Array) -> tuple[WindowKeys, Rows]:
+def extend_window(ring: Rows, kv_bcd: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
+                  floor_b: jax.Array | None = None) -> tuple[WindowKeys, Rows]:
     """The chunk's window keys and the ring with its rows written (`write_window`); the chunk's own keys
     are its rows as the ring stores them.
 
     C = 1: the keys are the new ring; after the write, slots 0 … min(start + 1, W) − 1 are exactly the
     window of the query at start. C > 1: the old ring's W rows in position order (positions start − W …
     start − 1) then the chunk's C; query c sees rows c+1 … c+W, of which ring rows need a position ≥ 0
-    and chunk rows must be real.
+    and chunk rows must be real. `floor_b` (C > 1 only) hides positions below it from the chunk's queries
+    (DeepSeek-V4.1's bounded replay cuts the decoder's windows so).
     """
     w = jax.tree.leaves(ring)[0].shape[1]
     c_len = kv_bcd.shape[1]
     stored_bcd = as_rows(kv_bcd, ring)
     new_ring = _write_ring(ring, stored_bcd, start_b, n_valid_b)
     if c_len == 1:
+        if floor_b is not None:
+            raise ValueError("a window floor applies to prefill chunks (C > 1), not to decode")
         end_b1 = jnp.minimum(start_b + 1, w)[:, None]
         return WindowKeys(new_ring, jnp.zeros_like(end_b1), end_b1), new_ring
     slots_bw = jnp.mod(start_b[:, None] - w + jnp.arange(w)[None, :], w)
@@ -172,6 +178,8 @@ def extend_window(ring: Rows, kv_bcd: jax.Array, start_b: jax.Array,
                                                         new], axis=1), ring, stored_bcd)
     c = jnp.arange(c_len)[None, :]
     start_bc = jnp.maximum(c + 1, w - start_b[:, None])
+    if floor_b is not None:
+        start_bc = jnp.maximum(start_bc, w + floor_b[:, None] - start_b[:, None])
     end_bc = jnp.minimum(c + w + 1, w + n_valid_b[:, None])
     return WindowKeys(rows, start_bc, end_bc), new_ring
 
@@ -304,11 +312,38 @@ def layer_cache(cfg: ModelConfig, attention_type: str, num_slots: int, max_len: 
                                         index_group))
 
 
+def v41_layer_cache(cfg, role, num_slots: int, max_len: int, dtype, kv_dtype: str | None = None) -> LayerCache:
+    """One DeepSeek-V4.1 layer's empty cache: its window ring; a KV source (Full layer) adds its compressed
+    entries, their index keys and (ratio 2) the raw projections of a token waiting for its pair (fp32).
+    Reindex and Reuse layers read their source's. The release's packed cache formats are not kept yet:
+    `kv_dtype` None or "bfloat16" only."""
+    if kv_dtype not in (None, "bfloat16"):
+        raise ValueError(f"kv_dtype {kv_dtype!r}: a DeepSeek-V4.1 cache is kept in a float dtype so far "
+                         "(None or 'bfloat16'); its MXFP8 / NVFP4 / MXFP4 storage is not built yet")
+    rows = jnp.bfloat16 if kv_dtype else dtype
+    window = jnp.zeros((num_slots, cfg.sliding_window, cfg.head_dim), rows)
+    if role.mode != "full":
+        return LayerCache(window)
+    m, t = role.ratio, max_len // role.ratio
+    f32 = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+    state = CompressorState(buffer_kv=f32(num_slots, m, cfg.head_dim), buffer_gate=f32(num_slots, m, cfg.head_dim),
+                            entries=jnp.zeros((num_slots, t, cfg.head_dim), rows))
+    return LayerCache(window, compressor=state, keys=jnp.zeros((num_slots, t, cfg.index_head_dim), rows))
+
+
 def init_cache(model, num_slots: int, max_len: int, dtype=None, kv_dtype: str | None = None) -> Cache:
-    """An empty cache for `model` (a DeepseekV4); `dtype` (of the float parts) defaults to the model's
-    activation dtype; `kv_dtype` as in `layer_cache`."""
+    """An empty cache for `model` (a DeepseekV4 or DeepseekV41); `dtype` (of the float parts) defaults to
+    the model's activation dtype; `kv_dtype` as in `layer_cache`. A V4.1 cache has one group per layer
+    (a stacked axis of one), so the slot axis is axis 1 throughout, as for V4."""
     cfg = model.cfg
     dtype = dtype or model.dtype
+    if cfg.family == "v4.1":
+        groups = tuple((jax.tree.map(lambda x: x[None], v41_layer_cache(cfg, role, num_slots, max_len, dtype,
+                                                                         kv_dtype)),)
+                       for role in cfg.layer_roles())
+        history = (jnp.full((num_slots, cfg.engram_max_ngram_size - 1), -1, jnp.int32) if cfg.engram_layer_ids
+                   else None)
+        return Cache(lengths=jnp.zeros((num_slots,), jnp.int32), groups=groups, history=history)
     groups = []
     for meta in model.groups_meta:
         per_position = []

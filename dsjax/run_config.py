@@ -22,6 +22,10 @@ WEIGHTS = ("keep", "bf16")
 # "auto": the Pallas kernels on GPUs and TPUs, the pure-JAX references elsewhere; "reference": the
 # references everywhere; "interpret": the GPU kernels in Pallas's interpreter (tests on CPU).
 KERNELS = ("auto", "reference", "interpret")
+# How a causal encoder-decoder (DeepSeek-V4.1) prefills: "exact" runs its decoder layers only on the last
+# positions whose windows reach the prompt's end (bit for bit as "full", which runs every layer on every
+# token); "replay" is DeepInfer's approximate bounded replay (the last 140 positions, windows cut there).
+DECODER_PREFILL = ("exact", "full", "replay")
 RENAMED_WEIGHTS = {"fp8": "keep"}  # plan, bench and export's spelling until 0.2 (the CLI says so too)
 
 
@@ -43,8 +47,8 @@ def check_choice(name: str, value, choices: tuple, *, none: str | None = None) -
 class RunConfig:
     """Run options: `slots` sequences in flight, each of up to `max_len` tokens, prompts prefilled
     `chunk_size` tokens at a time; float weights and activations in `dtype`; the cache's K=V rows in
-    `kv_dtype` (None: `dtype`); `weights` and `kernels` as the tuples above say; `mesh` a spec such as
-    "dp=2,ep=4" (None: one device)."""
+    `kv_dtype` (None: `dtype`); `weights`, `kernels` and `decoder_prefill` as the tuples above say; `mesh` a
+    spec such as "dp=2,ep=4" (None: one device)."""
 
     slots: int = 8
     max_len: int = 4096
@@ -54,6 +58,7 @@ class RunConfig:
     weights: str = "keep"
     kernels: str = "auto"
     mesh: str | None = None
+    decoder_prefill: str = "exact"
 
     def __post_init__(self):
         for name, least in (("slots", 1), ("max_len", 2), ("chunk_size", 1)):
@@ -65,7 +70,8 @@ class RunConfig:
                           f"(one vocabulary for every command); {self.weights!r} goes in 0.2",
                           DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "weights", RENAMED_WEIGHTS[self.weights])
-        for name, choices in (("dtype", DTYPES), ("weights", WEIGHTS), ("kernels", KERNELS)):
+        for name, choices in (("dtype", DTYPES), ("weights", WEIGHTS), ("kernels", KERNELS),
+                              ("decoder_prefill", DECODER_PREFILL)):
             check_choice(name, getattr(self, name), choices)
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, none="dtype")
         if self.mesh is not None:

@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[1] / "dsjax"
 # Lowest first. A module belongs to the first level naming it or a package above it. README.md's
 # "Layout" section states the same order.
 LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("dsjax.config", "dsjax.presets", "dsjax.quant", "dsjax.numerics", "dsjax.run_config",
-                     "dsjax.parallel", "dsjax.stacked", "dsjax.compile_cache", "dsjax.embedded")),
+    ("foundations", ("dsjax.config", "dsjax.config_v41", "dsjax.presets", "dsjax.quant", "dsjax.cache_formats",
+                     "dsjax.numerics", "dsjax.run_config", "dsjax.engram_hash", "dsjax.parallel", "dsjax.stacked",
+                     "dsjax.compile_cache", "dsjax.embedded")),
     ("cache", ("dsjax.cache",)),
     ("kernels", ("dsjax.kernels",)),
     ("layers", ("dsjax.layers",)),
-    ("model", ("dsjax.model", "dsjax.quantize")),
+    ("model", ("dsjax.model", "dsjax.model_v41", "dsjax.quantize")),
     ("engine", ("dsjax.engine",)),
     ("checkpoint", ("dsjax.checkpoint",)),
     ("batch", ("dsjax.batch",)),

@@ -33,6 +33,7 @@ from dsjax.engine.programs import ProgramStore, compile_for_store, describe
 from dsjax.engine.sampling import SAMPLER_MODES, Sampled, SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.slots import prefill_buckets, prefill_rows
 from dsjax.model import with_kernels
+from dsjax.model_v41 import decoder_keep, replay_keep
 from dsjax.run_config import RunConfig
 
 
@@ -71,11 +72,17 @@ class Engine:
         # The jitted steps with their statics bound, made once: `_call` falls back to them.
         self._decode_jit = functools.partial(steps.decode, self._static)
         self._prefill_jit = functools.partial(steps.prefill_chunk, self._static)
+        self._encoder_jit = functools.partial(steps.prefill_encoder_chunk, self._static)
+        # A causal encoder-decoder (V4.1) prefills its decoder on a prompt's last `_decoder_keep` positions.
+        self._decoder_keep = None
+        if getattr(self.cfg, "family", "v4") == "v4.1" and run.decoder_prefill != "full":
+            self._decoder_keep = decoder_keep(self.cfg) if run.decoder_prefill == "exact" else replay_keep(self.cfg)
         self._new_cache_jit = functools.partial(steps.new_cache, *self._cache_statics())
         self._a_weight = jax.tree.leaves(self.params)[0]  # where the weights live (`_placed`)
         # Set by `precompile(images=True)`: every prefill chunk then runs the program that takes spliced
         # embeddings (with none for a chunk of text), so an image job compiles one program per row bucket.
         self.spliced_prefill = False
+        self.encoder_chunks = 0  # prefill chunks that ran the encoder only (V4.1's exact truncation)
         self._no_splice: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows → zero embeddings and mask
         # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
         # context once, so every step would be traced again by the next engine. Import it before.
@@ -162,8 +169,8 @@ class Engine:
     def compilations() -> int:
         """Programs compiled so far by the steps of every engine in this process. Engines of the same
         model structure and shapes share them, so this stays constant once a job has warmed up."""
-        return sum(f._cache_size() for f in (steps.decode, steps.prefill_chunk, steps.sample_rows,
-                                             encoder.encode_cells, steps.new_cache))
+        return sum(f._cache_size() for f in (steps.decode, steps.prefill_chunk, steps.prefill_encoder_chunk,
+                                             steps.sample_rows, encoder.encode_cells, steps.new_cache))
 
     def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
@@ -222,7 +229,7 @@ class Engine:
         (slot_ids,) = self._put(np.asarray(rows, np.int32))
         logits_sv, positions_s = self._new_logits(), None
         for k in range(n_chunks):
-            n_valid = np.clip(lengths - k * c, 0, c)
+            n_valid = n_valid_host = np.clip(lengths - k * c, 0, c)
             start = np.where(is_prompt, np.minimum(k * c, lengths), current)
             ends_here = is_prompt & (lengths > k * c) & (lengths <= (k + 1) * c)
             tokens, start, n_valid, ends_here = self._put(padded[:, k * c:(k + 1) * c], start.astype(np.int32),
@@ -232,11 +239,26 @@ class Engine:
                 chunk_spliced = self._put(*chunk_spliced)
             elif self.spliced_prefill:
                 chunk_spliced = self._no_splice_for(n)
+            if self._decoder_keep is not None and self._encoder_only(k * c, n_valid_host, lengths):
+                self.encoder_chunks += 1
+                cache = self._call(("prefill_encoder", n, chunk_spliced is not None), self._encoder_jit,
+                                   self.params, cache, tokens, slot_ids, start, n_valid, chunk_spliced)
+                continue
+            floor = None
+            if self.run.decoder_prefill == "replay" and self._decoder_keep is not None:
+                (floor,) = self._put(np.where(is_prompt, lengths - self._decoder_keep, 0).astype(np.int32))
             cache, logits_sv, positions_s = self._call(
-                ("prefill", n, chunk_spliced is not None), self._prefill_jit,
-                self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here, chunk_spliced)
+                ("prefill", n, chunk_spliced is not None) + (("replay",) if floor is not None else ()),
+                self._prefill_jit, self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here,
+                chunk_spliced, floor)
         return cache, self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
                                  positions_s)
+
+    def _encoder_only(self, first: int, n_valid: np.ndarray, lengths: np.ndarray) -> bool:
+        """Whether a chunk of positions `first …` lies wholly before every one of its prompts' last
+        `_decoder_keep` positions (rows without tokens in it do not count)."""
+        busy = n_valid > 0
+        return bool(busy.any()) and bool(np.all(first + n_valid[busy] <= lengths[busy] - self._decoder_keep))
 
     def _no_splice_for(self, rows: int) -> tuple[jax.Array, jax.Array]:
         """Spliced-prefill inputs that splice nothing, kept on the device (made once per row bucket)."""
@@ -279,11 +301,23 @@ class Engine:
 
         def prefill(rows):
             spliced = self._no_splice_for(rows) if self.spliced_prefill else None
-            return (("prefill", rows, spliced is not None), steps.prefill_chunk, (self._static,),
-                    (self.params, cache, logits, *self._prefill_inputs(rows), spliced))
+            floor = None
+            if self._decoder_keep is not None and self.run.decoder_prefill == "replay":
+                floor = self._put(np.zeros(rows, np.int32))[0]
+            return (("prefill", rows, spliced is not None) + (("replay",) if floor is not None else ()),
+                    steps.prefill_chunk, (self._static,),
+                    (self.params, cache, logits, *self._prefill_inputs(rows), spliced, floor))
+
+        def prefill_encoder(rows):
+            spliced = self._no_splice_for(rows) if self.spliced_prefill else None
+            tokens, slots, start, n_valid, _ = self._prefill_inputs(rows)
+            return (("prefill_encoder", rows, spliced is not None), steps.prefill_encoder_chunk, (self._static,),
+                    (self.params, cache, tokens, slots, start, n_valid, spliced))
 
         now = set(prefill_buckets(n) if buckets is None else buckets)
         todo += [prefill(rows) for rows in sorted(now, reverse=True)]
+        if self._decoder_keep is not None:
+            todo += [prefill_encoder(rows) for rows in sorted(now, reverse=True)]
         for m in modes:
             sampling = dataclasses.replace(self._place(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
                                            modes=m)
@@ -296,14 +330,17 @@ class Engine:
             for (slot, key, _), compiled in zip(build, built):
                 self._keep(slot, key, *compiled)
         rest = sorted(set(later) - now)
-        missing = self._unstored(map(prefill, rest))  # stored ones load now: it takes little
+        # A bucket counts as ready once its last program is built: the encoder-only one goes first.
+        per_bucket = [[prefill_encoder(rows), prefill(rows)] if self._decoder_keep is not None else [prefill(rows)]
+                      for rows in rest]
+        missing = self._unstored(p for programs in per_bucket for p in programs)  # stored ones load now
         if missing:
             with self._ready:
                 self._later |= {slot[1] for slot, *_ in missing}
             self.background = threading.Thread(target=self._build_later, args=(missing, jax.sharding.get_mesh()),
                                                name=BACKGROUND_THREAD)
             self.background.start()
-        return len(todo) + len(rest)
+        return len(todo) + sum(len(programs) for programs in per_bucket)
 
     def _unstored(self, todo) -> list[tuple]:
         """Of `todo`'s (slot, jitted, static, args), load those `self.programs` holds into the steps' table;
@@ -343,6 +380,8 @@ class Engine:
                     if self._stop.is_set():  # stopped while lowering: no compile for the process to wait for
                         break
                     self._keep(slot, key, *compile_for_store(lowered))  # storing it outside the lock
+                    if slot[0] == "prefill_encoder":  # its bucket's prefill program comes next
+                        continue
                     with self._ready:
                         self._later.discard(slot[1])
                         self.background_built += 1

@@ -15,13 +15,15 @@ from dsjax.parallel.rules import slot_axes
 def take_slots(cache: Cache, slots: jax.Array) -> Cache:
     """The rows `slots` of every cache array (slot axis 0 for lengths, 1 under the repeat axis)."""
     return Cache(lengths=cache.lengths[slots],
-                 groups=jax.tree.map(lambda x: jnp.take(x, slots, axis=1), cache.groups))
+                 groups=jax.tree.map(lambda x: jnp.take(x, slots, axis=1), cache.groups),
+                 history=None if cache.history is None else cache.history[slots])
 
 
 def put_slots(cache: Cache, part: Cache, slots: jax.Array) -> Cache:
     """`cache` with rows `slots` replaced by `part` (slots must be distinct)."""
     return Cache(lengths=cache.lengths.at[slots].set(part.lengths),
-                 groups=jax.tree.map(lambda x, y: x.at[:, slots].set(y), cache.groups, part.groups))
+                 groups=jax.tree.map(lambda x, y: x.at[:, slots].set(y), cache.groups, part.groups),
+                 history=None if cache.history is None else cache.history.at[slots].set(part.history))
 
 
 def prefill_rows(n: int, num_slots: int) -> int:

@@ -59,7 +59,8 @@ def cache_specs(cache: Cache):
     axes = slot_axes(jax.sharding.get_abstract_mesh(), cache.lengths.shape[0])
     slots = axes[0] if len(axes) == 1 else (axes or None)
     return Cache(lengths=jax.sharding.PartitionSpec(),
-                 groups=jax.tree.map(lambda x: jax.sharding.PartitionSpec(None, slots), cache.groups))
+                 groups=jax.tree.map(lambda x: jax.sharding.PartitionSpec(None, slots), cache.groups),
+                 history=None if cache.history is None else jax.sharding.PartitionSpec(slots))
 
 
 def constrain_cache(cache: Cache) -> Cache:
@@ -85,12 +86,17 @@ def _decode_logits(graphdef, params, cache: Cache, last_tokens_b, active_b):
     return cache, model.logits(hidden_b1h)[:, 0].astype(jnp.float32)
 
 
-def _prefill_logits(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, spliced=None):
+def _prefill_logits(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, spliced=None,
+                    floor_n=None):
     """One prefill chunk of rows `slots_n`: the cache with their tokens written, and each row's logits
-    `[n, vocab]` (float32) after its last valid token of the chunk."""
+    `[n, vocab]` (float32) after its last valid token of the chunk. `floor_n` (V4.1's bounded replay)
+    hides the decoder windows' positions below it."""
     model = nnx.merge(graph_of(graphdef), params)
     part = take_slots(cache, slots_n)
-    hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced)
+    if floor_n is None:
+        hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced)
+    else:
+        hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced, floor_b=floor_n)
     last = jnp.clip(n_valid_n - 1, 0, tokens_nc.shape[1] - 1)
     hidden_nh = jnp.take_along_axis(hidden_nch, last[:, None, None], axis=1)
     return put_slots(cache, part, slots_n), model.logits(hidden_nh)[:, 0].astype(jnp.float32)
@@ -129,12 +135,23 @@ def decode(graphdef, params, cache: Cache, last_tokens_b, active_b):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
 def prefill_chunk(graphdef, params, cache: Cache, logits_sv, tokens_nc, slots_n, start_n, n_valid_n, ends_n,
-                  spliced=None):
+                  spliced=None, floor_n=None):
     """A prefill chunk; the logits of rows whose prompt ends in it land in their slot's row of `logits_sv`.
     Returns (cache, logits `[slots, vocab]`, positions `[slots]`)."""
-    cache, logits_nv = _prefill_logits(graphdef, params, cache, tokens_nc, slots_n, start_n, n_valid_n, spliced)
+    cache, logits_nv = _prefill_logits(graphdef, params, cache, tokens_nc, slots_n, start_n, n_valid_n, spliced,
+                                       floor_n)
     logits_sv = logits_sv.at[slots_n].set(jnp.where(ends_n[:, None], logits_nv, logits_sv[slots_n]))
     return constrain_cache(cache), *_for_host((logits_sv, cache.lengths + 0))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def prefill_encoder_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, spliced=None):
+    """A prefill chunk through a causal encoder-decoder's encoder only (and its global cache's write): for
+    chunks wholly before the positions the decoder must see (`model_v41.DeepseekV41.extend`)."""
+    model = nnx.merge(graph_of(graphdef), params)
+    part = take_slots(cache, slots_n)
+    _, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced, decoder=False)
+    return constrain_cache(put_slots(cache, part, slots_n))
 
 
 @jax.jit

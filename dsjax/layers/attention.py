@@ -54,6 +54,7 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.attention_type = attention_type
         self.kernels = "auto"  # a run option (`dsjax.model.with_kernels`)
+        self.rope = cfg.rope_for(attention_type) if attention_type in (SLIDING, CSA, HCA) else None
         nh, d = cfg.num_attention_heads, cfg.head_dim
         q = cfg.quantization
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, rngs=rngs, dtype=dtype, quant=q)
@@ -69,17 +70,19 @@ class Attention(nnx.Module):
                                quant=q, axes=("embed", "heads"))
         self.sinks = nnx.Param(jnp.zeros((nh,), jnp.float32), axes=("heads",))
         compressors = {SLIDING: None, CSA: CSACompressor, HCA: HCACompressor}
-        cls = compressors[attention_type]
+        cls = compressors.get(attention_type)
         self.compressor = None if cls is None else cls(cfg, rngs=rngs, dtype=dtype)
 
     def _project_in(self, x_bsh, positions_bs):
         """Rope tables, q_res (shared with the indexer), rotated queries and rotated shared K=V."""
         cfg = self.cfg
         b, s, _ = x_bsh.shape
-        cos, sin = rope_table(cfg.rope_for(self.attention_type), cfg.head_dim, positions_bs, x_bsh.dtype)
+        cos, sin = rope_table(self.rope, cfg.head_dim, positions_bs, x_bsh.dtype)
         q_res_bsr = self.q_a_norm(self.q_a_proj(x_bsh))
         q_bshd = self.q_b_proj(q_res_bsr).reshape(b, s, cfg.num_attention_heads, cfg.head_dim)
-        q_bshd = apply_rope(unweighted_rms_norm(q_bshd, cfg.rms_norm_eps), cos[:, :, None], sin[:, :, None])
+        if cfg.q_head_norm:
+            q_bshd = unweighted_rms_norm(q_bshd, cfg.rms_norm_eps)
+        q_bshd = apply_rope(q_bshd, cos[:, :, None], sin[:, :, None])
         kv_bsd = apply_rope(self.kv_norm(self.kv_proj(x_bsh)), cos, sin)
         return cos[:, :, None], sin[:, :, None], q_res_bsr, q_bshd, kv_bsd
 

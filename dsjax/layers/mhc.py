@@ -18,7 +18,8 @@ def collapse(pre_bsn: jax.Array, h_bsnh: jax.Array) -> jax.Array:
 
 
 class HyperConnection(nnx.Module):
-    """Computes (post, comb, collapsed) from the streams `h [B,S,N,H]` for one block (attention or FFN)."""
+    """Computes (post, comb, collapsed) from the streams `h [B,S,N,H]` for one block (attention or FFN); `mixes`
+    gives the weights alone."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         n = cfg.hc_mult
@@ -29,6 +30,12 @@ class HyperConnection(nnx.Module):
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
 
     def __call__(self, h_bsnh: jax.Array):
+        pre, post, comb = self.mixes(h_bsnh)
+        return post, comb, collapse(pre, h_bsnh)
+
+    def mixes(self, h_bsnh: jax.Array):
+        """`(pre [B,S,N], post [B,S,N], comb [B,S,N,N])` in fp32 from the streams. V4 collapses its block's
+        input with `pre`; V4.1's single pass collapses the next sublayer's input with it."""
         cfg = self.cfg
         n = cfg.hc_mult
         b, s = h_bsnh.shape[:2]
@@ -41,7 +48,7 @@ class HyperConnection(nnx.Module):
         comb_logits = mix[..., 2 * n:].reshape(b, s, n, n) * s_comb + base[2 * n:].reshape(n, n)
         comb = jax.nn.softmax(comb_logits, axis=-1) + cfg.hc_eps
         comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps, kernels=self.kernels)
-        return post, comb, collapse(pre, h_bsnh)
+        return pre, post, comb
 
 
 def mix_streams(post_bsn, comb_bsnn, out_bsh, h_bsnh) -> jax.Array:

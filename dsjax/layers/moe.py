@@ -1,4 +1,4 @@
-"""The V4 MoE block: routed experts (top-k or hash routed) plus the shared expert."""
+"""The MoE block: routed experts (top-k, hash or V4.1's image-aware routing) plus the shared expert."""
 
 from __future__ import annotations
 
@@ -6,21 +6,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.config import HASH_MOE, ModelConfig
+from dsjax.config import HASH_MOE, IMAGE_MOE, ModelConfig
 from dsjax.layers.experts import RoutedExperts, SharedExpert
-from dsjax.layers.router import HashRouter, TopKRouter
+from dsjax.layers.router import HashRouter, ImageAwareRouter, TopKRouter
 from dsjax.layers.expert_parallel import expert_axis, routed_experts_parallel
 
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, mlp_type: str, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        router = HashRouter if mlp_type == HASH_MOE else TopKRouter
+        router = {HASH_MOE: HashRouter, IMAGE_MOE: ImageAwareRouter}.get(mlp_type, TopKRouter)
         self.gate = router(cfg, rngs=rngs, dtype=dtype)
         self.experts = RoutedExperts(cfg, rngs=rngs, dtype=dtype)
         self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype)
 
     def __call__(self, x_bsh: jax.Array, token_ids_bs: jax.Array, record: dict | None = None) -> jax.Array:
-        """`record`, if given, receives `expert_ids [B,S,k]` and, for top-k routing, `moe_balance`."""
+        """`record`, if given, receives `expert_ids [B,S,k]` and, for top-k routing, `moe_balance`.
+        `token_ids_bs` is what the router reads beside x: the token ids (hash routing) or, for V4.1's
+        image-aware router, the image-token mask."""
         b, s, h = x_bsh.shape
         x_nh = x_bsh.reshape(b * s, h)
         weights_nk, idx_nk = self.gate(x_nh, token_ids_bs.reshape(-1))

@@ -62,3 +62,22 @@ class HashRouter(_Router):
     def __call__(self, x_nh: jax.Array, token_ids_n: jax.Array):
         idx_nk = jnp.take(self.tid2eid[...], token_ids_n, axis=0, mode="clip")
         return self.weigh(self.scores(x_nh), idx_nk), idx_nk
+
+
+class ImageAwareRouter(TopKRouter):
+    """DeepSeek-V4.1's router: fp32 logits, and selection biased by `bias_vl` for image tokens and by
+    `e_score_correction_bias` for text (the weights stay the unbiased scores)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        super().__init__(cfg, rngs=rngs, dtype=dtype)
+        self.bias_vl = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
+
+    def scores(self, x_nh: jax.Array) -> jax.Array:
+        logits = einsum("nh,eh->ne", x_nh.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        return score(logits, self.cfg.scoring_func)
+
+    def __call__(self, x_nh: jax.Array, image_n: jax.Array):
+        scores_ne = self.scores(x_nh)
+        bias_ne = jnp.where(image_n.astype(bool)[:, None], self.bias_vl[...], self.e_score_correction_bias[...])
+        _, idx_nk = jax.lax.top_k(scores_ne + bias_ne, self.cfg.num_experts_per_tok)
+        return self.weigh(scores_ne, idx_nk), idx_nk
