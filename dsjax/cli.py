@@ -119,11 +119,52 @@ def _model_source(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
 
 
+def _load_config(args: argparse.Namespace):
+    """The ModelConfig or V41Config of `--preset` or `--model`."""
+    from dsjax.config_v41 import V41Config, is_v41
+    from dsjax.presets import PRESETS
+
+    if args.preset:
+        if is_v41(PRESETS.get(args.preset, {})):
+            return V41Config.preset(args.preset)
+        return ModelConfig.preset(args.preset)
+    from dsjax.checkpoint.load_v41 import is_v41_folder
+
+    folder = args.model if os.path.isdir(args.model) else os.path.dirname(args.model)
+    return V41Config.from_hf(args.model) if is_v41_folder(folder) else ModelConfig.from_hf(args.model)
+
+
+def _info_v41(name: str, cfg) -> int:
+    from dsjax.info import V41_COMPONENTS, v41_cache_bytes, v41_model_info
+
+    info = v41_model_info(cfg)
+    print(f"{name}: DeepSeek-V4.1, {cfg.num_hidden_layers} layers (encoder 0-{cfg.first_decoder_layer - 1}, "
+          f"decoder {cfg.first_decoder_layer}-{cfg.num_hidden_layers - 1})")
+    print(f"  backbone {info.backbone / 1e9:.2f}B parameters ({info.backbone:,}); Engram {info.engram / 1e9:.2f}B "
+          f"(tables {info.by_component['engram_tables']:,}); DSpark {info.by_component['dspark'] / 1e9:.2f}B; "
+          f"image encoder {info.by_component['vision'] / 1e9:.2f}B; total {info.total / 1e9:.2f}B")
+    print(f"  active per decode token {info.active / 1e9:.2f}B; release storage {info.release_bytes / 2**30:.1f} GiB "
+          "(FP8 32x32 blocks, FP4 experts, FP8 Engram tables)")
+    for comp in V41_COMPONENTS:
+        n = info.by_component[comp]
+        print(f"  {comp:<19} {n:>18,}  {100 * n / info.total:5.1f}%")
+    modes = [r.mode for r in cfg.layer_roles()]
+    print("  layers: " + ", ".join(f"{m}×{modes.count(m)}" for m in ("sliding", "full", "reindex", "reuse")))
+    for fmt, label in (("fp4", "NVFP4 entries (release default)"), ("mxfp8", "MXFP8 entries")):
+        c = v41_cache_bytes(cfg, fmt)
+        print(f"  cache, {label}: {c['global_per_token']:,.0f} B per token of context (entries "
+              f"{c['entries_per_token']:,.0f}, index keys {c['index_keys_per_token']:,.0f}) + window rings "
+              f"{c['windows_per_sequence'] / 2**20:,.2f} MiB per sequence (MXFP8)")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     from dsjax.cache import cache_bytes_per_token
     from dsjax.info import COMPONENTS, model_info
 
-    cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
+    cfg = _load_config(args)
+    if getattr(cfg, "family", "v4") == "v4.1":
+        return _info_v41(args.preset or args.model, cfg)
     context = run_config(args, max_len=args.max_len or cfg.max_position_embeddings).max_len
     info = model_info(cfg)
     name = args.preset or args.model

@@ -106,3 +106,106 @@ def model_info(cfg: ModelConfig) -> ModelInfo:
 def _bytes(cfg: ModelConfig) -> int:
     return sum(copies * math.prod(var.get_value().shape) * np.dtype(var.get_value().dtype).itemsize
                for _, var, copies in _abstract_variables(cfg))
+
+
+# ---------------------------------------------------------------------------------------------- V4.1
+V41_COMPONENTS = ("embedding", "head", "attention", "compressor", "indexer", "mhc", "norms", "router",
+                  "routed_experts", "shared_expert", "engram_tables", "engram_projections", "dspark", "vision")
+_BYTES = {"bf16": 2.0, "fp32": 4.0, "fp8": 1.0, "fp8_rows": 1.0, "fp4": 0.5}
+
+
+def v41_component(name: str) -> str:
+    """The component a release tensor belongs to."""
+    if name.startswith("mtp."):
+        return "dspark"
+    if name.startswith(("vision.", "aligner.", "image_")):
+        return "vision"
+    for prefix, comp in (("embed.", "embedding"), ("head.", "head"), ("norm.", "norms")):
+        if name.startswith(prefix):
+            return comp
+    tail = name.split(".", 2)[2]
+    if tail.startswith("engram.embed"):
+        return "engram_tables"
+    if tail.startswith("engram."):
+        return "engram_projections"
+    if tail.startswith("hc_"):
+        return "mhc"
+    if tail.startswith("attn.compressor."):
+        return "compressor"
+    if tail.startswith("attn.indexer."):
+        return "indexer"
+    if tail.startswith("attn."):
+        return "attention"
+    if tail.startswith("ffn.gate."):
+        return "router"
+    if tail.startswith("ffn.experts."):
+        return "routed_experts"
+    if tail.startswith("ffn.shared_experts."):
+        return "shared_expert"
+    if tail.endswith("_norm.weight"):
+        return "norms"
+    raise ValueError(f"no component for {name}")
+
+
+@dataclass
+class V41Info:
+    by_component: dict[str, int] = field(default_factory=lambda: dict.fromkeys(V41_COMPONENTS, 0))
+    active: int = 0  # per decode token of text: the picked experts, 2 · 24 Engram rows, no DSpark, no vision
+    release_bytes: float = 0.0  # the release's storage (FP8 32 × 32, FP4 experts, FP8 tables), scales included
+
+    @property
+    def backbone(self) -> int:
+        """The text model without Engram, DSpark and the image encoder (the release's "552B")."""
+        skip = ("engram_tables", "engram_projections", "dspark", "vision")
+        return sum(n for c, n in self.by_component.items() if c not in skip)
+
+    @property
+    def engram(self) -> int:
+        return self.by_component["engram_tables"] + self.by_component["engram_projections"]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_component.values())
+
+
+def v41_model_info(cfg) -> V41Info:
+    """Parameter counts of a DeepSeek-V4.1 config by component, from the release's tensor list
+    (`checkpoint.names_v41.release_shapes`), and the bytes of the release's storage."""
+    from dsjax.checkpoint.names_v41 import release_shapes
+
+    info = V41Info()
+    frac = cfg.num_experts_per_tok / cfg.n_routed_experts
+    for name, (shape, kind) in release_shapes(cfg).items():
+        n = math.prod(shape)
+        comp = v41_component(name)
+        info.by_component[comp] += n
+        if comp == "routed_experts":
+            info.active += round(n * frac)
+        elif comp == "engram_tables":
+            info.active += cfg.engram_hash_heads * shape[1]
+        elif comp not in ("dspark", "vision"):
+            info.active += n
+        scales = 0.0
+        if kind == "fp8":
+            scales = math.ceil(shape[0] / 32) * math.ceil(shape[1] / 32)
+        elif kind in ("fp4", "fp8_rows"):
+            scales = shape[0] * math.ceil(shape[1] / 32)
+        info.release_bytes += n * _BYTES[kind] + scales
+    return info
+
+
+def v41_cache_bytes(cfg, fmt: str = "fp4") -> dict[str, float]:
+    """Cache bytes per token of the release's formats (`dsjax.cache_formats`): the global part (compressed entries
+    and index keys of the KV sources) per token of context, and the per-sequence window rings. `fmt`: the main
+    compressed KV in "fp4" (NVFP4, the default) or "mxfp8"."""
+    from dsjax.cache_formats import record_bytes
+
+    entry = record_bytes("nvfp4" if fmt == "fp4" else "mxfp8", cfg.head_dim)
+    key = record_bytes("mxfp4", cfg.index_head_dim)
+    roles = cfg.layer_roles()
+    global_bytes = sum((entry + key) / r.ratio for r in roles if r.mode == "full")
+    window = len(roles) * cfg.sliding_window * record_bytes("mxfp8", cfg.head_dim)
+    return {"global_per_token": global_bytes, "entries_per_token": sum(entry / r.ratio for r in roles
+                                                                          if r.mode == "full"),
+            "index_keys_per_token": sum(key / r.ratio for r in roles if r.mode == "full"),
+            "windows_per_sequence": float(window)}

@@ -3,7 +3,7 @@
 Experts at the preset's sizes (bf16, random), as many as the devices hold (`--experts`, default the
 preset's, scaled down if they do not fit), random top-k routing. Prints milliseconds per layer call.
 
-    python scripts/bench_dispatch.py --preset v4.1-flash --tokens 1 64 256 1024
+    python scripts/bench_dispatch.py --preset v4-flash --tokens 1 64 256 1024
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="v4.1-flash")
+    p.add_argument("--preset", default="v4-flash")
     p.add_argument("--experts", type=int, help="routed experts (default: the preset's)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024])
     p.add_argument("--iters", type=int, default=20)

@@ -381,7 +381,7 @@ def main(argv=None) -> int:
     p.add_argument("--copy-tbps", type=float, help="ncu: the copy bandwidth to compare with (else measured here)")
     p.add_argument("--artifact", help="export: a `dsjax export` folder for this platform")
     p.add_argument("--steps", type=int, default=32, help="export: decode steps to compare and time")
-    p.add_argument("--preset", default="v4.1-flash")
+    p.add_argument("--preset", default="v4-flash")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--context", type=int, nargs="+", default=[4096, 131072, 1048576])
     p.add_argument("--kv-dtype", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)

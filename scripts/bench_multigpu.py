@@ -2,7 +2,7 @@
 DeepSeek's release format, converted for `ep` devices, loaded one slice per device, decoding through
 the engine on the mesh, against `dsjax plan`'s memory prediction and the measured collective bandwidth.
 
-    python scripts/bench_multigpu.py WORKDIR [--ep N] [--preset v4.1-flash] [--layers 2] [--experts E]
+    python scripts/bench_multigpu.py WORKDIR [--ep N] [--preset v4-flash] [--layers 2] [--experts E]
         [--per-device 64 128 256] [--prompt-len 4096] [--gen-len 16] [--json rows.jsonl]
 
 Steps, each kept in WORKDIR and skipped when its result is there (a run cut short resumes, also row
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workdir", help="folder for the checkpoints and results (created; reused when re-run)")
     ap.add_argument("--ep", type=int, help="devices on the expert axis (default: every device)")
-    ap.add_argument("--preset", default="v4.1-flash")
+    ap.add_argument("--preset", default="v4-flash")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers of the slice (default 2)")
     ap.add_argument("--experts", type=int, help="routed experts (default: the preset's)")
     ap.add_argument("--per-device", type=int, nargs="+", default=[64, 128, 256], help="sequences per device")

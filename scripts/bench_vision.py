@@ -1,7 +1,7 @@
 """Time and memory of the V4.1 image encoder per image, as `Engine.encode_image` runs it (padded to its
 cell bucket, one image per call), with the attention's queries in blocks and dense.
 
-    python scripts/bench_vision.py [--preset v4.1-flash] [--sizes 546x546 1036x770 1708x966 1512x1134]
+    python scripts/bench_vision.py [--preset v4-flash] [--sizes 546x546 1036x770 1708x966 1512x1134]
         [--attention fused 1024 0] [--dtype bfloat16] [--repeats 5] [--json rows.jsonl]
 
 Sizes are the recipe's preprocessed W×H (multiples of the patch size; the defaults are what
@@ -34,7 +34,7 @@ def encoder_flops(vision, hidden: int, patches: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="v4.1-flash")
+    ap.add_argument("--preset", default="v4-flash")
     ap.add_argument("--sizes", nargs="+", default=["546x546", "1036x770", "1708x966", "1512x1134"])
     ap.add_argument("--attention", nargs="+",
                     help="'fused' (cuDNN), or queries per block of the XLA attention, 0 for dense")

@@ -5,7 +5,7 @@ collectives are read from the HLO. The ragged all-to-all design moves as many ro
 leave each device, which depends on the routing: it is counted on random top-k routing (every expert
 equally likely, as the router's balancing bias aims for), the mean and the busiest device.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/comm_bytes.py --preset v4.1-flash \
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/comm_bytes.py --preset v4-flash \
         --ep 8 --tokens 1 64 256 1024 4096
 """
 
@@ -89,7 +89,7 @@ def layer_bytes(cfg, ep: int, tokens_per_device: int, dtype=None) -> dict[str, f
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="v4.1-flash")
+    p.add_argument("--preset", default="v4-flash")
     p.add_argument("--ep", type=int, default=8)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 1024, 4096])
     args = p.parse_args(argv)

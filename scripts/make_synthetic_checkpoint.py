@@ -40,7 +40,7 @@ def sized(cfg: ModelConfig, layers: int | None, experts: int | None) -> ModelCon
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="folder to write (must not exist)")
-    ap.add_argument("--preset", default="v4-flash", help="tiny, demo, v4-flash or v4.1-flash")
+    ap.add_argument("--preset", default="v4-flash", help="tiny, demo or v4-flash (V4.1: --preset tiny-v4.1 or v4.1-flash)")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--experts", type=int)
     ap.add_argument("--shard-mb", type=float, default=4096, help="shard size in MB (default 4096)")

@@ -8,8 +8,9 @@ import pytest
 
 from dsjax.cache import cache_bytes_per_token
 from dsjax.cli import main
-from dsjax.config import ModelConfig
-from dsjax.info import COMPONENTS, model_info
+from dsjax.config import ConfigError, ModelConfig
+from dsjax.config_v41 import V41Config
+from dsjax.info import COMPONENTS, model_info, v41_cache_bytes, v41_model_info
 
 
 def test_v4_flash_count_matches_reference(reference):
@@ -20,30 +21,48 @@ def test_v4_flash_count_matches_reference(reference):
     assert set(info.by_component) == set(COMPONENTS)
 
 
-def test_v41_flash_is_552b():
-    cfg = ModelConfig.preset("v4.1-flash")
-    assert cfg.num_hidden_layers == 40
-    info = model_info(cfg)
-    assert abs(info.total - 552e9) / 552e9 < 0.01
-    assert info.active < info.total / 20
-    assert info.bytes_fp4_experts < info.bytes_fp8 < info.bytes_bf16
+def test_v41_flash_counts_are_the_releases():
+    """deepseek_v41_spec.md §1.6: backbone 551.6B (the release says 552B), Engram tables 196.6B
+    (768,022,850 rows × 256); about 510 GB in the release's storage (48 shards)."""
+    info = v41_model_info(V41Config.preset("v4.1-flash"))
+    assert abs(info.backbone - 551.6e9) < 0.05e9
+    assert info.by_component["engram_tables"] == (384006168 + 384016682) * 256
+    assert info.total == sum(info.by_component.values())
+    assert abs(info.release_bytes - 510e9) / 510e9 < 0.01
+    assert 15e9 < info.active < 17e9
+
+
+def test_v41_cache_bytes_are_the_releases():
+    """890 B per token of global cache with NVFP4 entries (3 · 288 / 2 + 288 entries, 3 · 68 / 2 + 68 index keys);
+    1490 with MXFP8 entries; each sequence's 40 window rings of 128 MXFP8 rows of 528 B."""
+    cfg = V41Config.preset("v4.1-flash")
+    assert v41_cache_bytes(cfg)["global_per_token"] == 890
+    assert v41_cache_bytes(cfg, "mxfp8")["global_per_token"] == 1490
+    assert v41_cache_bytes(cfg)["windows_per_sequence"] == 40 * 128 * 528
 
 
 def test_info_cli(capsys):
-    assert main(["info", "--preset", "v4.1-flash"]) == 0
+    assert main(["info", "--preset", "v4-flash"]) == 0
     out = capsys.readouterr().out
-    assert "total 554.88B parameters" in out and "routed_experts" in out and "active per token" in out
+    assert "routed_experts" in out and "active per token" in out
     assert "cache per token" in out and "compressed_sparse_attention" in out
 
 
-def test_v41_image_encoder_matches_a_hand_count():
-    """The preset's encoder: patch embedding, 24 pre-norm blocks (qkv, output, 2-layer MLP, all with
-    biases; 2 norms), a final norm, the 3×3 merger's 2 layers into the decoder's width and 3 learned
-    embeddings. It is not active per text token."""
-    hv, layers, inter, d = 1024, 24, 4096, 4096
+def test_info_cli_v41(capsys):
+    assert main(["info", "--preset", "v4.1-flash"]) == 0
+    out = capsys.readouterr().out
+    assert "backbone 551.57B" in out and "tables 196,613,849,600" in out and "DSpark 14.23B" in out
+    assert "890 B per token" in out and "1,490 B per token" in out and "reindex×4" in out
+
+
+def test_image_encoder_matches_a_hand_count():
+    """dsjax's own encoder (the V4 demo's, `tiny-vision`): patch embedding, pre-norm blocks (qkv, output,
+    2-layer MLP, all with biases; 2 norms), a final norm, the 3×3 merger's 2 layers into the decoder's width
+    and 3 learned embeddings. It is not active per text token."""
+    cfg = ModelConfig.preset("tiny-vision")
+    hv, layers, inter, d = cfg.vision.hidden_size, cfg.vision.num_layers, cfg.vision.intermediate_size, cfg.hidden_size
     block = 2 * hv + (hv * 3 * hv + 3 * hv) + (hv * hv + hv) + (hv * inter + inter) + (inter * hv + hv)
     want = (14 * 14 * 3 * hv + hv) + layers * block + hv + (9 * hv * d + d) + (d * d + d) + 3 * d
-    cfg = ModelConfig.preset("v4.1-flash")
     info, text_only = model_info(cfg), model_info(cfg.replace(vision=None))
     assert info.by_component["vision"] == want == info.total - text_only.total
     assert info.active == text_only.active and text_only.by_component["vision"] == 0
@@ -54,9 +73,14 @@ def test_info_cli_bad_preset(capsys):
     assert "unknown preset" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["tiny", "v4-flash", "v4.1-flash"])
+@pytest.mark.parametrize("name", ["tiny", "v4-flash"])
 def test_presets_build(name):
     ModelConfig.preset(name).validate()
+
+
+def test_a_v41_preset_is_refused_by_the_v4_config_with_a_pointer():
+    with pytest.raises(ConfigError, match="DeepSeek-V4.1 config: read it with dsjax.config_v41.V41Config"):
+        ModelConfig.preset("v4.1-flash")
 
 
 def _fp8(rows, cols):  # e4m3 bytes + one ue8m0 byte per 128×128 block

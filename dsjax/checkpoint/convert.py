@@ -27,11 +27,13 @@ from orbax.checkpoint import v1 as ocp
 from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import PartialSaveReplacementError
 
 from dsjax.checkpoint import converted as layout
-from dsjax.checkpoint.load import check_complete, check_scales_declared, pair_scales, place
+from dsjax.checkpoint.load import check_complete, check_scales_declared, place
+from dsjax.checkpoint.stored import pair_scales
 from dsjax.checkpoint.targets import Target, abstract_model
 from dsjax.checkpoint.safetensors_io import (CheckpointError, TensorRef, checkpoint_files, read_header,
                                              read_tensor, tensor_dtype)
-from dsjax.checkpoint.save import StreamingShards, hf_value, original_names
+from dsjax.checkpoint.save import hf_value, original_names
+from dsjax.checkpoint.shards import StreamingShards
 from dsjax.config import ModelConfig
 from dsjax.run_config import WEIGHTS, check_choice
 

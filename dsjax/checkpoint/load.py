@@ -1,46 +1,29 @@
-"""`load_model`: a Hugging Face DeepSeek-V4 folder (any of the three namings, single or sharded) → DeepseekV4."""
+"""`load_model`: a Hugging Face DeepSeek-V4 folder (any of the three namings, single or sharded) → DeepseekV4;
+a DeepSeek-V4.1 release folder → DeepseekV41 (`load_v41`)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dsjax.checkpoint import converted, names
+from dsjax.checkpoint import converted, load_v41, names
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
+from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, pair_scales, stored_scale,
+                                     stored_weight)
 from dsjax.checkpoint.targets import Target, abstract_model
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
-from dsjax.quant import dequantize_fp4, dequantize_fp8, float_to_ue8m0, ue8m0_to_float
 from dsjax.run_config import WEIGHTS, check_choice
+
 
 def _np_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
 
-def pair_scales(tensors: dict):
-    """{name: (file, x)} → (the same without scales, {weight name: (scale name, file, x)}): the FP8/FP4
-    scales, keyed by the weight they scale: `X.scale` (original names) goes with `X.weight`,
-    `Y_scale_inv` (HF names) with `Y`. A `.scale` without its `.weight` (e.g. HF's `attn_hc.scale`) is
-    an ordinary tensor. `x` is a lazy array or a header entry; only names are looked at."""
-    tensors = dict(tensors)
-    scales = {}
-    for name in list(tensors):
-        if name.endswith("_scale_inv"):
-            weight = name[: -len("_scale_inv")]
-        elif name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors:
-            weight = name[: -len("scale")] + "weight"
-        else:
-            continue
-        file, value = tensors.pop(name)
-        if weight not in tensors:
-            raise CheckpointError(f"{file}: scale tensor {name!r} has no weight {weight!r} in the checkpoint")
-        scales[weight] = (name, file, value)
-    return tensors, scales
 
 
 def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep", mesh=None) -> DeepseekV4:
@@ -67,6 +50,11 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
                               else f"{folder} has no config.json")
     if dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dtype must be jnp.float32 or jnp.bfloat16, got {dtype}")
+    if load_v41.is_v41_folder(folder):
+        if mesh is not None or converted.is_converted(folder):
+            raise CheckpointError(f"{folder}: DeepSeek-V4.1 loads on one device from the release's safetensors "
+                                  "layout so far (no mesh, no `dsjax convert` output)")
+        return load_v41.load_v41(folder, cfg_path, dtype, weights)
     if isinstance(mesh, str):
         from dsjax.parallel.mesh import make_mesh
 
@@ -164,16 +152,16 @@ def place(stored: ModelConfig, cfg: ModelConfig, name: str, file: str, value: np
         raise CheckpointError(f"{file}: tensor {name!r} duplicates {hf!r} already read")
     if t.quantized:
         st = targets[_scale_hf(hf)]
-        _check_shape(file, name, value, t.hf_shape)
-        dest(t, value.dtype)[...] = _stored_weight(file, name, value, scale, t.dtype)
-        _check_shape(scale[1], scale[0], scale[2], st.hf_shape)
-        dest(st, scale[2].dtype)[...] = _stored_scale(scale, st.dtype)
+        check_shape(file, name, value, t.hf_shape)
+        dest(t, value.dtype)[...] = stored_weight(file, name, value, scale, t.dtype)
+        check_shape(scale[1], scale[0], scale[2], st.hf_shape)
+        dest(st, scale[2].dtype)[...] = stored_scale(scale, st.dtype)
         filled.add(_scale_hf(hf))
     else:
         source_dtype = value.dtype
-        value = _dense(stored, file, name, value, scale)
-        _check_shape(file, name, value, t.hf_shape)
-        _check_kind(file, name, value, t.dtype)
+        value = dense_values(stored, file, name, value, scale)
+        check_shape(file, name, value, t.hf_shape)
+        check_kind(file, name, value, t.dtype)
         _check_values(cfg, hf, name, file, value)
         dest(t, source_dtype)[...] = np.transpose(value, (0, 2, 1)) if t.transposed else value
     filled.add(hf)
@@ -183,71 +171,16 @@ def _scale_hf(hf: str) -> str:
     return hf + "_scale_inv"
 
 
-def _check_shape(file, name, value, want) -> None:
-    if tuple(value.shape) != tuple(want):
-        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
-                              f"expected {list(want)} for this config")
 
 
-def _is_float(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16)
 
 
-def _check_kind(file, name, value, want: np.dtype) -> None:
-    """Float parameters take float tensors, integer tables integer ones (any width)."""
-    if _is_float(value.dtype) != _is_float(want) or (not _is_float(want) and value.dtype.kind not in "iu"):
-        kind = "a float" if _is_float(want) else "an integer"
-        raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype}, but the parameter it fills holds {kind} "
-                              "type")
 
 
-def _stored_weight(file, name, value, scale, want: np.dtype) -> np.ndarray:
-    """A quantized weight as it is kept: e4m3 bytes, or int8 holding two e2m1 codes."""
-    if scale is None:
-        raise CheckpointError(f"{file}: tensor {name!r} ({value.dtype}) has no scale, but this config keeps "
-                              f"it quantized ({want}); expected {name[:-len('weight')]}scale or a "
-                              "*_scale_inv tensor next to it")
-    if value.dtype == np.uint8 and want == np.int8:
-        value = value.view(np.int8)
-    if value.dtype != want:
-        kind = "FP4 (int8, two e2m1 codes per byte)" if want == np.int8 else "FP8 (float8_e4m3fn)"
-        raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype}, but the quantization_config makes "
-                              f"it {kind}")
-    return value
 
 
-def _stored_scale(scale, want: np.dtype) -> np.ndarray:
-    """Scales in the storage the config asks for: ue8m0 bytes (uint8) or fp32."""
-    name, file, value = scale
-    if value.dtype == np.dtype(ml_dtypes.float8_e8m0fnu):
-        value = value.view(np.uint8)
-    if want == np.uint8 and value.dtype != np.uint8:
-        as_bytes = np.asarray(float_to_ue8m0(value))
-        if not np.array_equal(np.asarray(ue8m0_to_float(as_bytes)), value.astype(np.float32)):
-            raise CheckpointError(f"{file}: scale {name!r} holds values that are not powers of two, but the "
-                                  "quantization_config says scale_fmt 'ue8m0'")
-        return as_bytes
-    if want == np.float32 and value.dtype == np.uint8:
-        return np.asarray(ue8m0_to_float(value))
-    return value.astype(want)
 
 
-def _dense(stored: ModelConfig, file, name, value, scale) -> np.ndarray:
-    """A tensor as fp32 values: quantized weights are dequantized with their scale."""
-    if scale is None:
-        if value.dtype == np.dtype(ml_dtypes.float8_e4m3fn) or (value.dtype == np.int8 and name.endswith("weight")):
-            raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype} but has no scale tensor")
-        return value
-    s = _stored_scale(scale, np.dtype(np.float32))
-    try:
-        if value.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
-            return np.asarray(dequantize_fp8(value, s, jnp.float32, tuple(stored.quantization.weight_block_size)))
-        if value.dtype in (np.dtype(np.int8), np.dtype(np.uint8)):
-            return np.asarray(dequantize_fp4(value, s, jnp.float32))
-    except ValueError as e:
-        raise CheckpointError(f"{file}: tensor {name!r} and its scale {scale[0]!r} do not fit: {e}") from None
-    raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype} but has a scale {scale[0]!r}; only FP8 "
-                          "(float8_e4m3fn) and FP4 (int8) weights are scaled")
 
 
 def _put_expert_slice(stored, name, file, value, scale, s: names.ExpertSlice, targets, dest, filled) -> None:
@@ -264,21 +197,21 @@ def _put_expert_slice(stored, name, file, value, scale, s: names.ExpertSlice, ta
         # [2I, in'] / [H, in'] rows as stored; gate_up's rows are [w1 | w3], and so are its scale rows.
         st = targets[_scale_hf(s.hf_name)]
         w, sc = dest(t, value.dtype)[s.expert], dest(st, scale[2].dtype)[s.expert]
-        value = _stored_weight(file, name, value, scale, t.dtype)
-        parts = [(w, value, name, file), (sc, _stored_scale(scale, st.dtype), scale[0], scale[1])]
+        value = stored_weight(file, name, value, scale, t.dtype)
+        parts = [(w, value, name, file), (sc, stored_scale(scale, st.dtype), scale[0], scale[1])]
         block = stored.quantization.weight_block_size[0]
         if s.part != "w2" and stored.quantization.expert_dtype == "fp8" and inter % block:
             raise CheckpointError(f"{file}: {name!r}: per-expert FP8 w1/w3 cannot be merged when "
                                   f"moe_intermediate_size ({inter}) is not a multiple of the {block}-row block")
         for d, v, n, f in parts:
             rows = d.shape[0] if s.part == "w2" else d.shape[0] // 2
-            _check_shape(f, n, v, (rows,) + d.shape[1:])
+            check_shape(f, n, v, (rows,) + d.shape[1:])
             d[rows if s.part == "w3" else 0:][:rows] = v
         filled.add((_scale_hf(s.hf_name), s.expert, s.part))
     else:
         source_dtype = value.dtype
-        value = _dense(stored, file, name, value, scale)
-        _check_shape(file, name, value, (hidden, inter) if s.part == "w2" else (inter, hidden))
+        value = dense_values(stored, file, name, value, scale)
+        check_shape(file, name, value, (hidden, inter) if s.part == "w2" else (inter, hidden))
         d = dest(t, source_dtype)[s.expert]  # [H, 2I] for gate_up, [I, H] for down
         if s.part == "w1":
             d[:, :inter] = value.T

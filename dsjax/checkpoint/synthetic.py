@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from dsjax.checkpoint.names import hf_names_for
-from dsjax.checkpoint.save import ShardWriter, hf_value, original_names
+from dsjax.checkpoint.save import hf_value, original_names
+from dsjax.checkpoint.shards import ShardWriter
 from dsjax.config import ModelConfig, QuantConfig
 from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.model import DeepseekV4

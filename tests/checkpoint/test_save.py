@@ -48,7 +48,7 @@ def test_streaming_shards_take_tensors_whole_or_in_row_blocks(tmp_path):
     import pytest
     from safetensors.numpy import load_file
 
-    from dsjax.checkpoint.save import StreamingShards
+    from dsjax.checkpoint.shards import StreamingShards
 
     a = np.arange(24, dtype=np.float32).reshape(6, 4)
     b = np.arange(10, dtype=np.int64)
