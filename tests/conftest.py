@@ -125,6 +125,41 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
+HARNESS_V41 = ROOT / "tests" / "reference" / "run_v41_reference.py"
+
+
+def reference_v41_python() -> str:
+    return os.environ.get("DSJAX_REF41_PYTHON", str(ROOT / ".venv-ref41" / "bin" / "python"))
+
+
+@pytest.fixture(scope="session")
+def reference_v41(tmp_path_factory) -> Path:
+    """Folder of V4.1 reference outputs from NeMo AutoModel (release checkpoint, logits with and without cache
+    quantization, captures, greedy decoding); see run_v41_reference.py."""
+    from tests.reference.spec_v41 import SPEC as SPEC_V41
+
+    py = reference_v41_python()
+    if not os.path.exists(py):
+        pytest.fail(f"the V4.1 reference environment is missing: {py} does not exist. Create it with "
+                    "`bash .ci/setup` or point DSJAX_REF41_PYTHON at a Python 3.11 with torch==2.13.0+cpu, "
+                    "transformers==5.18.0 and nemo-automodel==0.7.0.")
+    # One run per test session, shared by the xdist workers (their base temp dirs share a parent).
+    spec_text = json.dumps(SPEC_V41, sort_keys=True)
+    key = hashlib.sha256(spec_text.encode() + HARNESS_V41.read_bytes() + py.encode()).hexdigest()[:16]
+    shared = tmp_path_factory.getbasetemp().parent
+    out = shared / f"reference-v41-{key}"
+    with open(shared / f"reference-v41-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "done").exists():
+            out.mkdir(exist_ok=True)
+            (out / "spec.json").write_text(spec_text)
+            proc = subprocess.run([py, str(HARNESS_V41), str(out / "spec.json"), str(out)], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0 or not (out / "done").exists():
+                pytest.fail(f"V4.1 reference harness failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
 _MODELS: dict = {}
 
 

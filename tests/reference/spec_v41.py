@@ -1,0 +1,23 @@
+"""What the V4.1 parity harness (run_v41_reference.py) runs: the tiny V4.1 preset as given, with its vocabulary.
+
+The harness's environment has no dsjax, so the configs and the vocabulary travel in the spec itself."""
+
+from __future__ import annotations
+
+import copy
+
+from dsjax.presets import PRESETS, tiny_v41_vocabulary
+
+CASES = [
+    # Three lengths: 17 (odd: a ratio-2 pair left open; fewer entries than candidate blocks), 48 and 64 (past the
+    # candidate pool of 4 blocks of 8). Row 1 of the longest carries an image span (ids = image_token_id).
+    # Greedy decoding from row 0's first 20 tokens, 32 steps, by full recompute.
+    {"name": "tiny", "config": copy.deepcopy(PRESETS["tiny-v4.1"]), "vocabulary": tiny_v41_vocabulary(),
+     "seed": 41, "batch": 2, "seq_lens": [17, 48, 64], "image_span": {"row": 1, "start": 5, "stop": 14},
+     "generate": {"prompt_len": 20, "new_tokens": 32}},
+]
+
+# NeMo's cache quantize-dequantize on one fixed input, for each (format, block size) the model uses.
+QUANT_CASES = {"shape": [3, 7, 512], "seed": 5, "formats": [["fp8", 32], ["nvfp4", 16], ["mxfp4", 32]]}
+
+SPEC = {"cases": CASES, "quant_cases": QUANT_CASES}
