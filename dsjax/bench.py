@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import layer_cache
-from dsjax.config import CSA, HCA, ModelConfig
+from dsjax.config import CSA, HCA, ModelConfig, QuantConfig
+from dsjax.config_v41 import V41Config, is_v41
 from dsjax.engine import scheduler
 from dsjax.engine.aot import stored_config
 from dsjax.engine.engine import Engine
@@ -36,6 +37,8 @@ from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.slots import prefill_rows
 from dsjax.info import component
 from dsjax.model import DeepseekV4
+from dsjax.model_v41 import DeepseekV41
+from dsjax.presets import PRESETS
 from dsjax.run_config import RunConfig
 
 PARTS = ("attention", "indexer", "moe", "collectives", "rest")
@@ -44,10 +47,19 @@ _COLLECTIVE = re.compile(r"(?:ragged[-_])?(?:all[-_]to[-_]all|all[-_]gather|all[
                          r"collective[-_]permute)")
 
 
-def bench_config(preset: str, layers: int | None = None, weights: str = "bf16") -> ModelConfig:
-    """The preset's config, cut to its first `layers` decoder layers; `weights` (`run_config.WEIGHTS`)
-    "keep" stores it as DeepSeek releases it (FP8 blocks, FP4 routed experts), "bf16" as float weights."""
+def bench_config(preset: str, layers: int | Sequence[int] | None = None, weights: str = "bf16",
+                 engram_rows: int | None = None) -> ModelConfig | V41Config:
+    """The preset's config, cut to its first `layers` decoder layers (for V4.1 also a list of the release's
+    layers, `v41_slice`); `weights` (`run_config.WEIGHTS`) "keep" stores it as DeepSeek releases it (FP8
+    blocks, FP4 routed experts), "bf16" as float weights."""
     weights = RunConfig(weights=weights).weights  # checked, and "fp8" read as "keep" with a warning
+    if is_v41(PRESETS.get(preset, {})):
+        cfg = V41Config.preset(preset)
+        if layers is not None:
+            cfg = v41_slice(cfg, range(layers) if isinstance(layers, int) else layers, engram_rows)
+        return cfg.replace(quantization=(cfg.quantization or V41_QUANT) if weights == "keep" else None)
+    if layers is not None and not isinstance(layers, int):
+        raise ValueError(f"--layers takes a count for a V4 preset (its first N layers), got {list(layers)}")
     cfg = ModelConfig.preset(preset)
     if layers is not None:
         if not 1 <= layers <= cfg.num_hidden_layers:
@@ -57,11 +69,53 @@ def bench_config(preset: str, layers: int | None = None, weights: str = "bf16") 
     return stored_config(cfg, weights)
 
 
+V41_QUANT = QuantConfig((32, 32), "ue8m0", "fp4")  # the release's storage of V4.1
+
+
+def v41_slice(cfg: V41Config, layers: Sequence[int], engram_rows: int | None = None) -> V41Config:
+    """The release's layers `layers` (increasing) as a model of their own, each in the same role: the source
+    lists, the candidate source and Engram renumbered. `engram_rows` shrinks each Engram table to about that
+    many rows (bucket primes from a smaller start): a lookup reads its 2·24 rows whatever the table's size,
+    so only the table's memory changes. A layer whose KV source is not in the slice is refused."""
+    layers = list(layers)
+    if layers != sorted(set(layers)) or not layers or layers[0] < 0 or layers[-1] >= cfg.num_hidden_layers:
+        raise ValueError(f"--layers must be increasing layer indices below {cfg.num_hidden_layers}, got {layers}")
+    new = {old: i for i, old in enumerate(layers)}
+    keep = lambda ids: tuple(new[i] for i in ids if i in new)  # noqa: E731
+    engram = [(new[i], rows) for i, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings) if i in new]
+    out = cfg.replace(
+        num_hidden_layers=len(layers),
+        compress_ratios=tuple(cfg.compress_ratios[i] for i in layers),
+        kv_source_layer_ids=keep(cfg.kv_source_layer_ids), index_source_layer_ids=keep(cfg.index_source_layer_ids),
+        candidate_source_layer_id=new.get(cfg.candidate_source_layer_id, -1),
+        engram_layer_ids=tuple(i for i, _ in engram), engram_num_embeddings=tuple(r for _, r in engram),
+        num_nextn_predict_layers=0, dspark_target_layer_ids=(), vision=None)
+    if engram_rows is not None and out.engram_layer_ids:
+        from dsjax.engram_hash import bucket_primes
+
+        start = max(2, engram_rows // out.engram_hash_heads)
+        primes = bucket_primes(len(out.engram_layer_ids), out.engram_max_ngram_size, out.engram_n_heads, start)
+        out = out.replace(engram_vocab_size=start, engram_num_embeddings=tuple(int(p.sum()) for p in primes))
+    old_roles = cfg.layer_roles()
+    for role in out.layer_roles():
+        was = old_roles[layers[role.index]]
+        kept = ((role.ratio, role.mode, role.uses_candidates, role.candidate_source, role.engram is None)
+                == (was.ratio, was.mode, was.uses_candidates, was.candidate_source, was.engram is None)
+                and (None if role.kv_source is None else layers[role.kv_source]) == was.kv_source)
+        if not kept:
+            raise ValueError(f"layer {was.index} ({was.mode}) does not keep its role in the slice {layers}: its KV "
+                             "source, index source or candidate source is missing")
+    return out
+
+
 def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> DeepseekV4:
     """A model with the initializer's random weights, built in one compiled program on the default
     device (no float32 copy of the experts is ever whole in memory). Hash-routed layers get a random
     `tid2eid` (k distinct experts per token, as a checkpoint has): the initializer's zeros would send
     every token to expert 0 and make the MoE look cheaper than it is."""
+    if getattr(cfg, "family", "v4") == "v4.1":
+        return nnx.jit(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(seed), dtype=dtype))()
+
     def build():
         model = DeepseekV4(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
         key = jax.random.key(seed + 1)
@@ -223,6 +277,83 @@ def roofline(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, rates
             "prefill_tokens_per_s": batch * prompt_len / prefill_s, "weight_bytes": sum(by_comp.values())}
 
 
+def roofline_v41(model, batch: int, prompt_len: int, gen_len: int, rates: DeviceRates,
+                 decoder_prefill: str = "exact") -> dict:
+    """`roofline` for a DeepSeek-V4.1 model: decode reads every weight but the embedding, the touched routed
+    experts and the 2·24 Engram rows a token looks up, and per slot each layer's window, the index keys its
+    indexer scores (Full and Reindex layers) and the entries it picks; prefill runs the decoder layers on
+    `decoder_keep` positions with exact truncation (all of them with "full")."""
+    from dsjax.model_v41 import decoder_keep
+
+    cfg = model.cfg
+    roles = cfg.layer_roles()
+    context = prompt_len + gen_len // 2
+    dense = experts = emb = table_row = 0.0
+    layer_active = [0.0] * len(roles)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        name = ".".join(str(x) for x in path)
+        if name.startswith("ngram_hash."):
+            continue
+        value = var.get_value()
+        n_bytes = value.size * value.dtype.itemsize
+        if name.startswith("embed_tokens"):
+            emb += n_bytes
+            continue
+        if ".engram.table" in name:
+            table_row += n_bytes / value.shape[0]
+            continue
+        layer = int(path[1]) if name.startswith("layers.") else None
+        if ".ffn.experts." in name:
+            experts += n_bytes
+            share = cfg.num_experts_per_tok / cfg.n_routed_experts
+        else:
+            dense += n_bytes
+            share = 1.0
+        if layer is not None and not name.endswith(("_scale_inv", "_scale")):
+            layer_active[layer] += value.size * share
+    head_active = cfg.vocab_size * cfg.hidden_size
+    row_bytes = jnp.dtype(model.dtype).itemsize
+
+    def per_token_attention(ctx: int) -> tuple[float, float]:
+        """(cache bytes one query reads, attention and indexer FLOPs) over all layers at `ctx` tokens."""
+        read = flops = 0.0
+        for r in roles:
+            rows = min(cfg.sliding_window, ctx)
+            if r.ratio:
+                entries = ctx // r.ratio
+                picks = min(cfg.index_topk, entries)
+                rows += picks
+                if r.mode in ("full", "reindex"):
+                    read += entries * cfg.index_head_dim * row_bytes
+                    flops += 2 * cfg.index_n_heads * cfg.index_head_dim * entries
+            read += rows * cfg.head_dim * row_bytes
+            flops += 4 * cfg.num_attention_heads * cfg.head_dim * rows
+        return read, flops
+
+    engram_layers = len(cfg.engram_layer_ids)
+    cache_read, attn_flops = per_token_attention(context)
+    decode_weight = dense + experts * touched_experts(cfg, batch) + batch * (
+        emb / cfg.vocab_size + engram_layers * cfg.engram_hash_heads * table_row)
+    decode_bytes = decode_weight + batch * cache_read
+    decode_flops = batch * (2 * (sum(layer_active) + head_active) + attn_flops)
+    keep = prompt_len if decoder_prefill == "full" else min(prompt_len, decoder_keep(cfg))
+    first_dec = cfg.first_decoder_layer
+    tokens = [prompt_len if i < first_dec else keep for i in range(len(roles))]
+    _, attn_mean = per_token_attention(prompt_len // 2)
+    prefill_flops = batch * (sum(2 * t * a for t, a in zip(tokens, layer_active)) + 2 * head_active
+                             + attn_mean * (first_dec * prompt_len + (len(roles) - first_dec) * keep) / len(roles))
+    cache_written, _ = per_token_attention(prompt_len)
+    prefill_bytes = dense + experts * touched_experts(cfg, batch * prompt_len) + batch * cache_written
+    decode_s, prefill_s = rates.time(decode_bytes, decode_flops), rates.time(prefill_bytes, prefill_flops)
+    return {"context": context, "decode_step_bytes": decode_bytes, "decode_weight_bytes": decode_weight,
+            "decode_cache_bytes": batch * cache_read, "decode_step_flops": decode_flops, "decode_step_s": decode_s,
+            "decode_tokens_per_s": batch / decode_s,
+            "decode_bound": "memory" if decode_bytes / rates.copy_bytes_per_s >= decode_flops / rates.matmul_flops_per_s
+            else "compute",
+            "prefill_bytes": prefill_bytes, "prefill_flops": prefill_flops, "prefill_s": prefill_s,
+            "prefill_tokens_per_s": batch * prompt_len / prefill_s, "weight_bytes": dense + experts + emb}
+
+
 def _hlo_scopes(hlo_text: str) -> dict[str, str]:
     """Instruction name → the part its op_name metadata names, for every instruction of a compiled
     module's text; names are also keyed with '.' and '-' as '_' (kernel names spell them so)."""
@@ -362,7 +493,9 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, r
            "decode_tokens_per_s": batch * steps / decode_s, "decode_steps": steps,
            "peak_memory_bytes": peak_memory()[0], "compilations_after_warmup": 0}
     if rates is not None:
-        roof = roofline(model, batch, prompt_len, gen_len, rates, run.kv_dtype)
+        roof = (roofline_v41(model, batch, prompt_len, gen_len, rates, run.decoder_prefill)
+                if getattr(cfg, "family", "v4") == "v4.1" else roofline(model, batch, prompt_len, gen_len, rates,
+                                                                         run.kv_dtype))
         out |= {f"roofline_{k}": v for k, v in roof.items()}
         out["decode_of_roofline"] = roof["decode_step_s"] / out["decode_step_s"]
         out["prefill_of_roofline"] = roof["prefill_s"] / prefill_s

@@ -12,7 +12,7 @@ from dsjax.compile_cache import compile_cache
 from dsjax.config import ModelConfig
 from dsjax.parallel import distributed
 from dsjax.quant import KV_DTYPES
-from dsjax.run_config import DTYPES, KERNELS, RENAMED_WEIGHTS, WEIGHTS, RunConfig, RunConfigError
+from dsjax.run_config import DECODER_PREFILL, DTYPES, KERNELS, RENAMED_WEIGHTS, WEIGHTS, RunConfig, RunConfigError
 
 # The run options (`RunConfig`'s fields) as flags, one name each whatever the sub-command: the flag, how
 # argparse reads it (choices: the code's own tuples), and what it means.
@@ -33,6 +33,10 @@ _RUN_FLAGS = {
                 "auto: the Pallas kernels on GPUs and TPUs, the pure-JAX references elsewhere; reference: the "
                 "references everywhere; interpret: the GPU kernels in Pallas's interpreter, slow, for tests on "
                 "a CPU"),
+    "decoder_prefill": ("--decoder-prefill", dict(choices=DECODER_PREFILL),
+                        "DeepSeek-V4.1's prefill: exact (default) runs the decoder layers only on the prompt "
+                        "positions that reach its end, bit for bit as full; replay is DeepInfer's approximate "
+                        "bounded replay"),
     "mesh": ("--mesh", dict(metavar="SPEC"),
              "a device mesh, e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp; sizes multiply to the device count); "
              "default: one device"),
@@ -117,6 +121,14 @@ def _model_source(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help=", ".join(sorted(PRESETS)))
     src.add_argument("--model", help="a Hugging Face model folder (its config.json is read)")
+
+
+def _layers_arg(text: str) -> int | tuple[int, ...]:
+    """`--layers`: a count, or a comma-separated list of layer indices."""
+    try:
+        return int(text) if "," not in text else tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a layer count or a list such as 0,1,20, got {text!r}") from None
 
 
 def _load_config(args: argparse.Namespace):
@@ -214,7 +226,7 @@ def _bench(args: argparse.Namespace) -> int:
         model = load_model(args.model, jnp.bfloat16, weights=run.weights, mesh=mesh)
         name = args.model
     else:
-        model = random_model(bench_config(args.preset, args.layers, run.weights), args.seed)
+        model = random_model(bench_config(args.preset, args.layers, run.weights, args.engram_rows), args.seed)
         if mesh is not None:
             from dsjax.parallel.shard import shard_model
 
@@ -519,9 +531,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "the roofline: the bytes and FLOPs the steps must move over the measured copy bandwidth "
                         "and matmul rate. See docs/benchmarks.md.")
     _model_source(be)
-    be.add_argument("--layers", type=int, help="keep the preset's first N decoder layers (to fit one device)")
+    be.add_argument("--layers", type=_layers_arg, help="keep the preset's first N decoder layers (to fit one device); "
+                    "for V4.1 also a list of the release's layers kept in their roles, e.g. 0,1,2,3,20,21,24,25")
+    be.add_argument("--engram-rows", type=int, help="V4.1: shrink each Engram table to about this many rows (the "
+                    "lookups' cost does not depend on the table's size; the release's 384M rows take 98 GB each)")
     # Float weights by default, unlike plan's and export's: the measurements compare with float engines.
-    add_run_args(be, ("slots", "chunk_size", "kv_dtype", "weights", "kernels", "mesh"), defaults={"weights": "bf16"},
+    add_run_args(be, ("slots", "chunk_size", "kv_dtype", "weights", "kernels", "decoder_prefill", "mesh"),
+                 defaults={"weights": "bf16"},
                  required=("slots",), several=("slots",), old=("--batch",), helps={
                      "slots": "sequences in flight; several sizes run in turn",
                      "mesh": "run on a device mesh, e.g. 'ep=8' (axes dp, ep, tp; sizes multiply to the device "

@@ -26,7 +26,7 @@ from dsjax.layers.ngram_hash import NgramHash, default_token_map
 from dsjax.layers.norms import RMSNorm
 from dsjax.layers.single_pass_block import SinglePassBlock
 from dsjax.model import Embedding
-from dsjax.numerics import einsum
+from dsjax.numerics import precision
 
 
 class DeepseekV41(nnx.Module):
@@ -119,9 +119,12 @@ class DeepseekV41(nnx.Module):
         return hidden, Cache(lengths=start_b + n_valid_b, groups=tuple(groups), history=history)
 
     def logits(self, hidden_bsh: jax.Array) -> jax.Array:
-        """fp32 logits: the head and the hidden state promoted to fp32, as the release computes them."""
-        w = self.lm_head.dense_weight(jnp.float32)
-        return einsum("bsh,vh->bsv", hidden_bsh.astype(jnp.float32), w)
+        """fp32 logits, never rounded to bf16: in the head's dtype with fp32 accumulation, as DeepInfer computes
+        them (bf16 × bf16 → fp32; an fp32 model's are fp32 throughout, as the reference's). Promoting a bf16
+        head to fp32 instead cost 2.4-3.4 ms of a 19-34 ms decode step on an H200 (`docs/benchmarks.md`)."""
+        w = self.lm_head.dense_weight(self.dtype)
+        return jnp.einsum("bsh,vh->bsv", hidden_bsh.astype(w.dtype), w, preferred_element_type=jnp.float32,
+                          precision=precision(w))
 
     def forward(self, input_ids, image_mask=None, engram_rows=None, lengths=None, embeds=None,
                 record: bool = False):

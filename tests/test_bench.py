@@ -251,3 +251,46 @@ def test_cli_benches_a_release_format_and_a_converted_checkpoint(tmp_path, capsy
     assert [r["model"] for r in rows] == [str(release), str(converted)]
     assert all(r["weights"] == "keep" and r["decode_steps"] == 2 and r["compilations_after_warmup"] == 0 for r in rows)
     assert rows[0]["layers"] == rows[1]["layers"] == B.bench_config("tiny").num_hidden_layers
+
+
+def test_v41_slice_keeps_each_layers_role():
+    """A slice of the release's layers (Engram 1, Full 2 and 20, Reuse 3, 21 and 25, Reindex 24 inside 20's
+    candidates) renumbered, each in its role; a slice that drops a layer's KV source is refused."""
+    cfg = B.bench_config("v4.1-flash", (0, 1, 2, 3, 20, 21, 24, 25), "keep", engram_rows=1 << 20)
+    modes = [(r.ratio, r.mode, r.kv_source, r.uses_candidates, r.candidate_source, r.engram) for r in cfg.layer_roles()]
+    assert modes == [(0, "sliding", None, False, False, None), (0, "sliding", None, False, False, 0),
+                     (2, "full", 2, False, False, None), (2, "reuse", 2, False, False, None),
+                     (1, "full", 4, False, True, None), (1, "reuse", 4, False, False, None),
+                     (1, "reindex", 4, True, False, None), (1, "reuse", 4, False, False, None)]
+    assert cfg.first_decoder_layer == 4 and cfg.quantization.weight_block_size == (32, 32)
+    # The table shrinks (primes above 2^20 / 24), the hashing keeps its form: 24 buckets summing to the rows.
+    assert (1 << 20) <= cfg.engram_num_embeddings[0] < (1 << 20) * 1.01
+    with pytest.raises(ValueError, match="needs a preceding KV source"):
+        B.bench_config("v4.1-flash", (0, 1, 3, 20), "keep")
+    with pytest.raises(ValueError, match="takes a count for a V4 preset"):
+        B.bench_config("tiny", (0, 1))
+
+
+def test_v41_roofline_counts_truncated_prefill():
+    """The V4.1 roofline: decode reads the dense weights, the touched experts and 2·24 Engram rows per token;
+    exact truncation runs the decoder layers on `decoder_keep` prompt positions, full prefill on all."""
+    from dsjax.model_v41 import decoder_keep
+
+    model = B.random_model(B.bench_config("tiny-v4.1"))
+    exact = B.roofline_v41(model, 1, 200, 8, RATES, "exact")
+    full = B.roofline_v41(model, 1, 200, 8, RATES, "full")
+    assert decoder_keep(model.cfg) < 200
+    assert exact["prefill_flops"] < full["prefill_flops"]
+    assert exact["decode_step_bytes"] == full["decode_step_bytes"] > exact["decode_cache_bytes"] > 0
+    short_exact = B.roofline_v41(model, 1, 20, 8, RATES, "exact")  # shorter than the decoder's reach
+    assert short_exact["prefill_flops"] == B.roofline_v41(model, 1, 20, 8, RATES, "full")["prefill_flops"]
+
+
+def test_cli_benches_a_v41_preset(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "--preset", "tiny-v4.1", "--slots", "2", "--prompt-len", "40", "--gen-len", "4",
+                 "--chunk-size", "16", "--weights", "keep", "--copy-tbps", "1", "--matmul-tflops", "100",
+                 "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["weights"] == "keep" and row["layers"] == 8 and row["compilations_after_warmup"] == 0
+    assert row["roofline_decode_step_s"] > 0
