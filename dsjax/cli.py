@@ -133,17 +133,14 @@ def _layers_arg(text: str) -> int | tuple[int, ...]:
 
 def _load_config(args: argparse.Namespace):
     """The ModelConfig or V41Config of `--preset` or `--model`."""
-    from dsjax.config_v41 import V41Config, is_v41
+    from dsjax.config_v41 import V41Config, is_v41, model_config
     from dsjax.presets import PRESETS
 
     if args.preset:
         if is_v41(PRESETS.get(args.preset, {})):
             return V41Config.preset(args.preset)
         return ModelConfig.preset(args.preset)
-    from dsjax.checkpoint.load_v41 import is_v41_folder
-
-    folder = args.model if os.path.isdir(args.model) else os.path.dirname(args.model)
-    return V41Config.from_hf(args.model) if is_v41_folder(folder) else ModelConfig.from_hf(args.model)
+    return model_config(args.model)
 
 
 def _info_v41(name: str, cfg) -> int:

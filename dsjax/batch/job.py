@@ -34,6 +34,7 @@ from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, 
 from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
 from dsjax.batch.results import InputFingerprint, ResultsFile, check_output, error_record, success_record
 from dsjax.config import ModelConfig
+from dsjax.config_v41 import model_config
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.engine import Engine, Spliced
 from dsjax.engine.generate import request_seed
@@ -363,7 +364,7 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     if not os.path.isdir(cfg.model):
         raise JobError(f"model folder {cfg.model!r} does not exist or is not a folder")
     try:
-        model_cfg = ModelConfig.from_hf(cfg.model)
+        model_cfg = model_config(cfg.model)
     except FileNotFoundError:
         raise JobError(f"{cfg.model!r} has no config.json: a model folder holds config.json, the weights and "
                        "tokenizer.json") from None
@@ -381,9 +382,11 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     if model_cfg.vision is not None and fmt != "v4.1":
         raise JobError("a model that reads images needs the v4.1 prompt format (V4's renders no images)")
     image_root = cfg.image_root or os.path.dirname(os.path.abspath(cfg.input))
+    # V4.1's image encoder is not built yet: its requests are text only (the recipe refuses images).
+    vision = None if getattr(model_cfg, "family", "v4") == "v4.1" else model_cfg.vision
     try:
         recipe = Recipe(tokenizer, context, model_cfg.eos_token_id, prompt_format=fmt,
-                        served_names=names or default_served_names(cfg.model, fmt), vision=model_cfg.vision,
+                        served_names=names or default_served_names(cfg.model, fmt), vision=vision,
                         images=ImageResolver(allow_remote=cfg.allow_remote_images), image_root=image_root)
     except ValueError as e:
         raise JobError(str(e)) from None
@@ -396,8 +399,15 @@ def _check_cache_fits(model_cfg: ModelConfig, run: RunConfig, mesh) -> None:
     from dsjax.cache import cache_bytes_per_token
 
     context = run.max_len
-    per_type = cache_bytes_per_token(model_cfg, context, run.jnp_dtype, run.kv_dtype)
-    need = sum(b * model_cfg.layer_types.count(t) for t, b in per_type.items()) * context * run.slots
+    if getattr(model_cfg, "family", "v4") == "v4.1":
+        from dsjax.cache import v41_layer_cache
+
+        one = [jax.eval_shape(lambda r=r: v41_layer_cache(model_cfg, r, 1, context, run.jnp_dtype, run.kv_dtype))
+               for r in model_cfg.layer_roles()]
+        need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(one)) * run.slots
+    else:
+        per_type = cache_bytes_per_token(model_cfg, context, run.jnp_dtype, run.kv_dtype)
+        need = sum(b * model_cfg.layer_types.count(t) for t, b in per_type.items()) * context * run.slots
     devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
     if devices[0].platform == "cpu":  # host devices share the machine's memory
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

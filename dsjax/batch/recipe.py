@@ -90,8 +90,10 @@ RECIPE_NAMES = {"v4": "DeepSeek-V4-Pro", "v4.1": "DeepSeek-V4.1-Flash"}
 
 
 def prompt_format(cfg: ModelConfig) -> str:
-    """The prompt format a checkpoint was trained on: V4.1's for a model that reads images (only the V4.1
-    family does; V4's encoding renders no images), else V4's."""
+    """The prompt format a checkpoint was trained on: V4.1's for DeepSeek-V4.1 and for a model that reads
+    images (V4's encoding renders no images), else V4's."""
+    if getattr(cfg, "family", "v4") == "v4.1":
+        return "v4.1"
     return _format_for(cfg.vision)
 
 

