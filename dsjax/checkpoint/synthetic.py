@@ -19,7 +19,7 @@ from flax import nnx
 
 from dsjax.checkpoint.names import hf_names_for
 from dsjax.checkpoint.save import hf_value, original_names
-from dsjax.checkpoint.shards import ShardWriter
+from dsjax.checkpoint.shards import ShardWriter, StreamingShards
 from dsjax.config import ModelConfig, QuantConfig
 from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.model import DeepseekV4
@@ -101,36 +101,42 @@ def write_synthetic_v41(folder: str | os.PathLike, cfg, max_shard_bytes: int = 4
     """A random DeepSeek-V4.1 checkpoint in the release's layout (`checkpoint.names_v41.release_shapes`): FP8
     32 × 32 blocks with ue8m0 scales, FP4 experts, FP8 Engram tables with a scale per 32 values of a row,
     bf16 / fp32 where the release keeps them, DSpark's `mtp.*` and the image encoder's tensors included; the
-    release's nested config.json, and `tokenizer` (a tokenizer.json dict) beside it if given. One tensor
-    at a time, so memory stays at about one shard."""
+    release's nested config.json, and `tokenizer` (a tokenizer.json dict) beside it if given. The layout is
+    planned first and each tensor streamed in blocks of rows (`shards.StreamingShards`), so memory stays
+    small even for the release's 98 GB Engram tables."""
     from dsjax.checkpoint.names_v41 import release_shapes
     from dsjax.config_v41 import V41Config
 
     quant = QuantConfig((32, 32), "ue8m0", "fp4")
     cfg = V41Config.from_hf(cfg.replace(quantization=quant).to_hf())  # checked as a release config
     rng = np.random.default_rng(seed)
-    writer = ShardWriter(folder, max_shard_bytes)
-    e8m0 = ml_dtypes.float8_e8m0fnu
+    e4m3, e8m0, bf16 = (np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu, ml_dtypes.bfloat16))
+    plan = []  # (name, dtype, shape, make(rows) → the next block of rows)
     for name, (shape, kind) in release_shapes(cfg).items():
         rows, cols = shape[0], shape[-1]
-        if kind == "fp8":
-            writer.add(name, (rng.standard_normal(shape, np.float32) * 64).astype(ml_dtypes.float8_e4m3fn))
-            writer.add(name[: -len("weight")] + "scale",
-                       np.full((-(-rows // 32), -(-cols // 32)), _SCALE_BYTE, np.uint8).view(e8m0))
-        elif kind == "fp8_rows":
-            writer.add(name, (rng.standard_normal(shape, np.float32) * 64).astype(ml_dtypes.float8_e4m3fn))
-            writer.add(name[: -len("weight")] + "scale", np.full((rows, -(-cols // 32)), _SCALE_BYTE, np.uint8).view(e8m0))
+        scale_name = name[: -len("weight")] + "scale"
+        if kind in ("fp8", "fp8_rows"):
+            plan.append((name, e4m3, shape, lambda n, c=cols: (rng.standard_normal((n, c), np.float32) * 64).astype(e4m3)))
+            srows = -(-rows // 32) if kind == "fp8" else rows
+            plan.append((scale_name, e8m0, (srows, -(-cols // 32)),
+                         lambda n, c=-(-cols // 32): np.full((n, c), _SCALE_BYTE, np.uint8).view(e8m0)))
         elif kind == "fp4":
-            writer.add(name, rng.integers(-128, 128, (rows, cols // 2), dtype=np.int8))
-            writer.add(name[: -len("weight")] + "scale", np.full((rows, cols // 32), _FP4_SCALE_BYTE, np.uint8).view(e8m0))
+            plan.append((name, np.dtype(np.int8), (rows, cols // 2),
+                         lambda n, c=cols // 2: rng.integers(-128, 128, (n, c), dtype=np.int8)))
+            plan.append((scale_name, e8m0, (rows, cols // 32),
+                         lambda n, c=cols // 32: np.full((n, c), _FP4_SCALE_BYTE, np.uint8).view(e8m0)))
         else:
-            dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
-            leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight") or leaf in ("q_weight", "k_weight") or name.endswith("hc_attn_scale") \
-                    or name.endswith("hc_ffn_scale"):
-                writer.add(name, np.ones(shape, dtype))
-            else:
-                writer.add(name, _values(rng, (leaf,), shape, np.dtype(dtype), cfg.n_routed_experts))
+            dtype = np.dtype(np.float32) if kind == "fp32" else bf16
+            ones = name.endswith(("norm.weight", "q_weight", "k_weight", "hc_attn_scale", "hc_ffn_scale"))
+            tail = shape[1:]
+            plan.append((name, dtype, shape, (lambda n, t=tail, d=dtype: np.ones((n, *t), d)) if ones else
+                         (lambda n, t=tail, d=dtype: (rng.standard_normal((n, *t), np.float32) * 0.02).astype(d))))
+    writer = StreamingShards(folder, [(n, d, s) for n, d, s, _ in plan], max_shard_bytes)
+    for name, dtype, shape, make in plan:
+        per_row = max(1, int(np.prod(shape[1:], dtype=np.int64)))
+        block = max(1, _CHUNK // per_row)
+        for start in range(0, shape[0], block):
+            writer.write(name, make(min(block, shape[0] - start)))
     weight_map = writer.close()
     with open(os.path.join(writer.folder, "config.json"), "w") as f:
         json.dump(cfg.to_hf(), f, indent=1)

@@ -78,15 +78,20 @@ class CSA2Compressor(nnx.Module):
         windows = gather_windows(state, self.kv_proj(xf), self.gate_proj(xf), start_b)
         pooled = jnp.sum(windows.kv_bkmn * jax.nn.softmax(windows.gate_bkmn, axis=2), axis=2)
         entries, keys = finish(self.kv_norm(pooled.astype(x_bch.dtype)), windows.first_b)
-        state = store_windows(state, windows, entries, end_b)
-        return state, keys, windows.first_b, num_entries(end_b, m) - windows.first_b
+        new = store_windows(state, windows, entries, end_b)
+        # A row without tokens keeps its buffer bit for bit (store_windows refills its free slots with filler).
+        idle = (n_valid_b == 0)[:, None, None]
+        new = dataclasses.replace(new, buffer_kv=jnp.where(idle, state.buffer_kv, new.buffer_kv),
+                                  buffer_gate=jnp.where(idle, state.buffer_gate, new.buffer_gate))
+        return new, keys, windows.first_b, num_entries(end_b, m) - windows.first_b
 
     def pool(self, x_bsh: jax.Array) -> jax.Array:
         """fp32 pooled latents of the whole groups of x (its length a multiple of the ratio)."""
         b, s, _ = x_bsh.shape
         xf = x_bsh.astype(jnp.float32)
-        kv = self.kv_proj(xf).reshape(b, s // self.ratio, self.ratio, -1)
-        gate = self.gate_proj(xf).reshape(b, s // self.ratio, self.ratio, -1)
+        width = self.kv_proj.weight.shape[0]  # explicit: a sequence with no complete group has zero groups
+        kv = self.kv_proj(xf).reshape(b, s // self.ratio, self.ratio, width)
+        gate = self.gate_proj(xf).reshape(b, s // self.ratio, self.ratio, width)
         return jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2)
 
 
