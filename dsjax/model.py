@@ -227,11 +227,16 @@ class DeepseekV4(nnx.Module):
         """
         hidden = self.hidden_states(input_ids, record, spliced)
         hidden, per_layer = hidden if record else (hidden, None)
-        logits = self.logits(hidden)
-        if lengths is not None:
-            valid_bs = jnp.arange(input_ids.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
-            logits = jnp.where(valid_bs[..., None], logits, 0.0)
+        logits = zero_past(self.logits(hidden), lengths)
         return (logits, per_layer) if record else logits
+
+
+def zero_past(logits_bsv: jax.Array, lengths: jax.Array | None) -> jax.Array:
+    """`logits` with the positions at or past each row's length zeroed (right padding); as is without lengths."""
+    if lengths is None:
+        return logits_bsv
+    valid_bs = jnp.arange(logits_bsv.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
+    return jnp.where(valid_bs[..., None], logits_bsv, 0.0)
 
 
 def with_kernels(model: nnx.Module, kernels: str) -> nnx.Module:

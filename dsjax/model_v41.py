@@ -25,7 +25,7 @@ from dsjax.layers.mhc import collapse
 from dsjax.layers.ngram_hash import NgramHash, default_token_map
 from dsjax.layers.norms import RMSNorm
 from dsjax.layers.single_pass_block import SinglePassBlock
-from dsjax.model import Embedding
+from dsjax.model import Embedding, zero_past
 from dsjax.numerics import precision
 
 
@@ -131,10 +131,7 @@ class DeepseekV41(nnx.Module):
         """The traceable forward behind `__call__`; logits at positions ≥ `lengths` are zero."""
         out = self.hidden_states(input_ids, image_mask, engram_rows, embeds, record)
         hidden, per_layer = out if record else (out, None)
-        logits = self.logits(hidden)
-        if lengths is not None:
-            valid_bs = jnp.arange(input_ids.shape[1])[None, :] < jnp.asarray(lengths)[:, None]
-            logits = jnp.where(valid_bs[..., None], logits, 0.0)
+        logits = zero_past(self.logits(hidden), lengths)
         return (logits, per_layer) if record else logits
 
     def __call__(self, input_ids, image_mask=None, lengths=None) -> jax.Array:

@@ -12,8 +12,8 @@ from flax import nnx
 
 from dsjax.checkpoint import converted, load_v41, names
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
-from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, pair_scales, stored_scale,
-                                     stored_weight)
+from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, pair_scales, put_expert_dense,
+                                     put_expert_stored, stored_scale, stored_weight)
 from dsjax.checkpoint.targets import Target, abstract_model
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
@@ -198,27 +198,16 @@ def _put_expert_slice(stored, name, file, value, scale, s: names.ExpertSlice, ta
         st = targets[_scale_hf(s.hf_name)]
         w, sc = dest(t, value.dtype)[s.expert], dest(st, scale[2].dtype)[s.expert]
         value = stored_weight(file, name, value, scale, t.dtype)
-        parts = [(w, value, name, file), (sc, stored_scale(scale, st.dtype), scale[0], scale[1])]
         block = stored.quantization.weight_block_size[0]
         if s.part != "w2" and stored.quantization.expert_dtype == "fp8" and inter % block:
             raise CheckpointError(f"{file}: {name!r}: per-expert FP8 w1/w3 cannot be merged when "
                                   f"moe_intermediate_size ({inter}) is not a multiple of the {block}-row block")
-        for d, v, n, f in parts:
-            rows = d.shape[0] if s.part == "w2" else d.shape[0] // 2
-            check_shape(f, n, v, (rows,) + d.shape[1:])
-            d[rows if s.part == "w3" else 0:][:rows] = v
+        put_expert_stored(s.part, w, sc, value, stored_scale(scale, st.dtype), (name, file), (scale[0], scale[1]))
         filled.add((_scale_hf(s.hf_name), s.expert, s.part))
     else:
         source_dtype = value.dtype
-        value = dense_values(stored, file, name, value, scale)
-        check_shape(file, name, value, (hidden, inter) if s.part == "w2" else (inter, hidden))
-        d = dest(t, source_dtype)[s.expert]  # [H, 2I] for gate_up, [I, H] for down
-        if s.part == "w1":
-            d[:, :inter] = value.T
-        elif s.part == "w3":
-            d[:, inter:] = value.T
-        else:
-            d[...] = value.T
+        put_expert_dense(s.part, dest(t, source_dtype)[s.expert], dense_values(stored, file, name, value, scale),
+                         name, file, inter, hidden)
     filled.add(key)
 
 def _check_values(cfg: ModelConfig, hf: str, name: str, file: str, value: np.ndarray) -> None:

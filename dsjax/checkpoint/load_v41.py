@@ -13,7 +13,8 @@ import numpy as np
 from flax import nnx
 
 from dsjax.checkpoint import names_v41
-from dsjax.checkpoint.stored import check_kind, check_shape, dense_values, pair_scales, stored_scale, stored_weight
+from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, pair_scales, put_expert_dense,
+                                     put_expert_stored, stored_scale, stored_weight)
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors, read_json
 from dsjax.config_v41 import V41Config
 from dsjax.engram_hash import EngramHasher, tokenizer_token_map
@@ -176,23 +177,13 @@ def _put_expert(stored: V41Config, name, file, value, scale, t: names_v41.Expert
     want = variables[t.path].get_value()
     if np.dtype(want.dtype) in _QUANTIZED:  # kept as stored: [2I, in'] rows [w1 | w3], and so its scale rows
         sp = scale_path(t.path)
-        w, sc = dest(t.path)[t.expert], dest(sp)[t.expert]
-        pieces = [(w, stored_weight(file, name, value, scale, np.dtype(want.dtype)), name, file),
-                  (sc, stored_scale(scale, np.dtype(variables[sp].get_value().dtype)), scale[0], scale[1])]
-        for d, v, n, f in pieces:
-            rows = d.shape[0] if t.part == "w2" else d.shape[0] // 2
-            check_shape(f, n, v, (rows,) + d.shape[1:])
-            d[rows if t.part == "w3" else 0:][:rows] = v
+        put_expert_stored(t.part, dest(t.path)[t.expert], dest(sp)[t.expert],
+                          stored_weight(file, name, value, scale, np.dtype(want.dtype)),
+                          stored_scale(scale, np.dtype(variables[sp].get_value().dtype)), (name, file),
+                          (scale[0], scale[1]))
     else:
-        value = _dense_v41(stored, file, name, value, scale)
-        check_shape(file, name, value, (hidden, inter) if t.part == "w2" else (inter, hidden))
-        d = dest(t.path)[t.expert]  # [H, 2I] for gate_up, [I, H] for down
-        if t.part == "w1":
-            d[:, :inter] = value.T
-        elif t.part == "w3":
-            d[:, inter:] = value.T
-        else:
-            d[...] = value.T
+        put_expert_dense(t.part, dest(t.path)[t.expert], _dense_v41(stored, file, name, value, scale), name, file,
+                         inter, hidden)
     filled.add(key)
     parts = ("w2",) if t.part == "w2" else ("w1", "w3")
     if all((t.path, x, p) in filled for x in range(e) for p in parts):

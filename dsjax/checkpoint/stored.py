@@ -98,3 +98,28 @@ def dense_values(stored: ModelConfig, file, name, value, scale) -> np.ndarray:
         raise CheckpointError(f"{file}: tensor {name!r} and its scale {scale[0]!r} do not fit: {e}") from None
     raise CheckpointError(f"{file}: tensor {name!r} is {value.dtype} but has a scale {scale[0]!r}; only FP8 "
                           "(float8_e4m3fn) and FP4 (int8) weights are scaled")
+
+
+def put_expert_stored(part: str, weight_rows: np.ndarray, scale_rows: np.ndarray, weight, scale, where: tuple,
+                      scale_where: tuple) -> None:
+    """One release per-expert tensor kept as stored: its rows (and its scale's) into the merged expert's
+    `[2I, in']` gate_up (rows `[w1 | w3]`) or `[H, in']` down arrays, shapes checked; `where` and
+    `scale_where` are each tensor's (name, file), for messages."""
+    for d, v, (n, f) in ((weight_rows, weight, where), (scale_rows, scale, scale_where)):
+        rows = d.shape[0] if part == "w2" else d.shape[0] // 2
+        check_shape(f, n, v, (rows,) + d.shape[1:])
+        d[rows if part == "w3" else 0:][:rows] = v
+
+
+def put_expert_dense(part: str, merged: np.ndarray, value: np.ndarray, name: str, file: str, inter: int,
+                     hidden: int) -> None:
+    """One release per-expert tensor as fp32 values into the merged float expert: `[H, 2I]` gate_up (columns
+    `[w1 | w3]`) or `[I, H]` down (dsjax holds them `[in, out]`)."""
+    check_shape(file, name, value, (hidden, inter) if part == "w2" else (inter, hidden))
+    if part == "w1":
+        merged[:, :inter] = value.T
+    elif part == "w3":
+        merged[:, inter:] = value.T
+    else:
+        merged[...] = value.T
+
