@@ -8,6 +8,15 @@ import copy
 
 from dsjax.presets import PRESETS, tiny_v41_vocabulary
 
+def _mixed() -> dict:
+    config = copy.deepcopy(PRESETS["tiny-v4.1"])
+    config["text_config"].update(
+        num_hidden_layers=9, compress_ratios=[0, 2, 2, 2, 2, 1, 1, 1, 1], kv_source_layer_ids=[1, 5],
+        index_source_layer_ids=[1, 3, 5, 7], candidate_source_layer_id=5, engram_layer_ids=[2, 4],
+        sliding_window=6, index_topk=6)
+    return config
+
+
 CASES = [
     # Three lengths: 17 (odd: a ratio-2 pair left open; fewer entries than candidate blocks), 48 and 64 (past the
     # candidate pool of 4 blocks of 8). Row 1 of the longest carries an image span (ids = image_token_id).
@@ -15,6 +24,12 @@ CASES = [
     {"name": "tiny", "config": copy.deepcopy(PRESETS["tiny-v4.1"]), "vocabulary": tiny_v41_vocabulary(),
      "seed": 41, "batch": 2, "seq_lens": [17, 48, 64], "image_span": {"row": 1, "start": 5, "stop": 14},
      "generate": {"prompt_len": 20, "new_tokens": 32}},
+    # Every role at both ratios: Full 1, Reuse 2, Reindex 3 and Reuse 4 at ratio 2 (4 reusing 3's picks); Full 5
+    # (the candidate source), Reuse 6, Reindex 7 inside the pool, Reuse 8 at ratio 1; Engram before 2 and 4; a
+    # window of 6 and top-6 picks. Row 0 of the longest carries the image span.
+    {"name": "mixed", "config": _mixed(), "vocabulary": tiny_v41_vocabulary(),
+     "seed": 7, "batch": 2, "seq_lens": [23, 64], "image_span": {"row": 0, "start": 30, "stop": 40},
+     "generate": {"prompt_len": 16, "new_tokens": 32}},
 ]
 
 # NeMo's cache quantize-dequantize on one fixed input, for each (format, block size) the model uses.
