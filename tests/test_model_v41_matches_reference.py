@@ -77,16 +77,17 @@ def test_logits_with_release_cache_formats_match_reference(case):
     assert far > 1e-2 * np.abs(np.load(case / "logits_quantized_64.npy")).max()
 
 
-def test_image_mask_reaches_the_router_and_engram(case):
+def test_image_mask_reaches_the_router_and_engram(tiny):
     """The image span changes the logits (bias_vl routing, Engram's masked gate and blocked look-back) as the
     reference's do: without the mask, the same ids give the reference's unmasked logits."""
-    model = model_of(case, False)
-    t = lengths(case)[-1]
-    ids = np.load(case / f"input_ids_{t}.npy")
-    assert_close(np.asarray(model(jnp.asarray(ids))), np.load(case / f"logits_identity_nomask_{t}.npy"), rtol=1e-4,
+    model = model_of(tiny, False)
+    t = lengths(tiny)[-1]
+    ids = np.load(tiny / f"input_ids_{t}.npy")
+    assert_close(np.asarray(model(jnp.asarray(ids))), np.load(tiny / f"logits_identity_nomask_{t}.npy"), rtol=1e-4,
                  what="no image mask")
 
 
+@pytest.mark.heavy
 def test_every_layer_matches_reference(case):
     cap = dict(np.load(case / "capture_identity.npz"))
     model = model_of(case, False)
