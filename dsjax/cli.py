@@ -33,16 +33,17 @@ _RUN_FLAGS = {
                 "auto: the Pallas kernels on GPUs and TPUs, the pure-JAX references elsewhere; reference: the "
                 "references everywhere; interpret: the GPU kernels in Pallas's interpreter, slow, for tests on "
                 "a CPU"),
+    "mesh": ("--mesh", dict(metavar="SPEC"),
+             "a device mesh, e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp; sizes multiply to the device count); "
+             "default: one device"),
     "decoder_prefill": ("--decoder-prefill", dict(choices=DECODER_PREFILL),
                         "DeepSeek-V4.1's prefill: exact (default) runs the decoder layers only on the prompt "
                         "positions that reach its end, bit for bit as full; replay is DeepInfer's approximate "
                         "bounded replay"),
-    "mesh": ("--mesh", dict(metavar="SPEC"),
-             "a device mesh, e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp; sizes multiply to the device count); "
-             "default: one device"),
 }
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-_EVERY = tuple(_RUN_FLAGS)  # for the commands that compile the engine's steps
+# For the commands that compile the engine's steps; `decoder_prefill` only where V4.1 runs (generate, bench).
+_EVERY = tuple(f for f in _RUN_FLAGS if f != "decoder_prefill")
 # Spellings that still work until 0.2, each printing the one that replaces it.
 _GOES_IN = "0.2"
 _RENAMED_FLAGS = {"--max-batch": "--slots", "--batch": "--slots", "--chunk": "--chunk-size", "--context": "--max-len"}
@@ -424,7 +425,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-format", choices=["v4", "v4.1"],
                    help="the prompt encoding (default: the checkpoint's: v4.1 for a model that reads images, else "
                         "v4); for a checkpoint trained on the other format than its config says")
-    add_run_args(p, _EVERY,
+    add_run_args(p, (*_EVERY, "decoder_prefill"),
                  old=("--max-batch",), helps={
                      "mesh": "run sharded over the visible devices (of every process, in a multi-process run), "
                              "e.g. 'ep=8' or 'dp=2,ep=4': routed experts split over ep (expert parallelism); "

@@ -11,15 +11,17 @@ import pytest
 
 from dsjax.cli import build_parser, main, run_config
 from dsjax.quant import KV_DTYPES
-from dsjax.run_config import DTYPES, KERNELS, WEIGHTS, RunConfig
+from dsjax.run_config import DECODER_PREFILL, DTYPES, KERNELS, WEIGHTS, RunConfig
 
 FLAGS = {"slots": "--slots", "max_len": "--max-len", "chunk_size": "--chunk-size", "dtype": "--dtype",
-         "kv_dtype": "--kv-dtype", "weights": "--weights", "kernels": "--kernels", "mesh": "--mesh"}
-CHOICES = {"dtype": DTYPES, "kv_dtype": KV_DTYPES, "weights": WEIGHTS, "kernels": KERNELS}
-# The run options each sub-command takes: those it uses.
-EVERY = set(FLAGS)
-TAKES = {"info": {"max_len"}, "generate": EVERY, "convert": {"weights", "mesh"}, "plan": EVERY,
-         "bench": EVERY - {"max_len", "dtype"}, "export": EVERY}
+         "kv_dtype": "--kv-dtype", "weights": "--weights", "kernels": "--kernels", "mesh": "--mesh",
+         "decoder_prefill": "--decoder-prefill"}
+CHOICES = {"dtype": DTYPES, "kv_dtype": KV_DTYPES, "weights": WEIGHTS, "kernels": KERNELS,
+           "decoder_prefill": DECODER_PREFILL}
+# The run options each sub-command takes: those it uses (V4.1's decoder prefill where V4.1 runs).
+EVERY = set(FLAGS) - {"decoder_prefill"}
+TAKES = {"info": {"max_len"}, "generate": EVERY | {"decoder_prefill"}, "convert": {"weights", "mesh"}, "plan": EVERY,
+         "bench": EVERY - {"max_len", "dtype"} | {"decoder_prefill"}, "export": EVERY}
 # Enough for each sub-command to parse (values of its own required options).
 BASE = {"info": ["--preset", "tiny"], "generate": [], "convert": ["src", "dst"],
         "plan": ["--preset", "tiny", "--mesh", "ep=8", "--max-len", "64", "--slots", "8"],
