@@ -52,7 +52,8 @@ class DeepseekV41(nnx.Module):
                       record: bool = False):
         """Final normed hidden states `[B,T,H]` (positions 0 … T−1); with `record`, also one dict per layer
         (`streams`, `picks`, `index_scores`, `candidates`, `expert_ids`, `pre`). `engram_rows`
-        `[B,T,n_engram_layers,heads]` (None: hashed here from the ids, image tokens dead); `embeds` replaces the token embeddings (image spans spliced in)."""
+        `[B,T,n_engram_layers,heads]` (None: hashed here from the ids, image tokens dead); `embeds` replaces the
+        token embeddings (image spans spliced in)."""
         cfg = self.cfg
         b, t = input_ids.shape
         positions_bs = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -6,22 +6,18 @@ from __future__ import annotations
 import os
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from dsjax.checkpoint import converted, load_v41, names
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
-from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, pair_scales, put_expert_dense,
-                                     put_expert_stored, stored_scale, stored_weight)
+from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, np_dtype, pair_scales,
+                                     put_expert_dense, put_expert_stored, stored_scale, stored_weight)
 from dsjax.checkpoint.targets import Target, abstract_model
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
 from dsjax.run_config import WEIGHTS, check_choice
 
-
-def _np_dtype(dtype) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
 
 
@@ -76,7 +72,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     def dest(t: Target, _source_dtype) -> np.ndarray:
         if t.path not in arrays:
             sds = variables[t.path].get_value()
-            arrays[t.path] = np.zeros(sds.shape, _np_dtype(sds.dtype))
+            arrays[t.path] = np.zeros(sds.shape, np_dtype(sds.dtype))
         return arrays[t.path] if t.repeat is None else arrays[t.path][t.repeat]
 
     tensors, scales = pair_scales({name: (file, value) for name, file, value in iter_tensors(folder)})

@@ -13,19 +13,17 @@ import numpy as np
 from flax import nnx
 
 from dsjax.checkpoint import names_v41
-from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, pair_scales, put_expert_dense,
-                                     put_expert_stored, stored_scale, stored_weight)
+from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, np_dtype, pair_scales,
+                                     put_expert_dense, put_expert_stored, stored_scale, stored_weight)
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors, read_json
 from dsjax.config_v41 import V41Config
 from dsjax.engram_hash import EngramHasher, tokenizer_token_map
 from dsjax.layers.ngram_hash import NgramHash, default_token_map
 from dsjax.model_v41 import DeepseekV41
+from dsjax.quant import dequantize_fp8
 
 _QUANTIZED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))
 
-
-def _np_dtype(dtype) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
 
 def scale_path(path: str) -> str:
@@ -62,7 +60,7 @@ def load_v41(folder: str, cfg_path: str, dtype=jnp.float32, weights: str = "keep
     def dest(path: str) -> np.ndarray:
         if path not in arrays:
             sds = variables[path].get_value()
-            arrays[path] = np.zeros(sds.shape, _np_dtype(sds.dtype))
+            arrays[path] = np.zeros(sds.shape, np_dtype(sds.dtype))
         return arrays[path]
 
     tensors, scales = pair_scales({name: (file, value) for name, file, value in iter_tensors(folder)})
@@ -158,9 +156,7 @@ def _release_name(path: str) -> str:
 def _dense_v41(stored: V41Config, file, name, value, scale) -> np.ndarray:
     """fp32 values of a tensor; an Engram table's scales are per row (32 values each), not 32 × 32 blocks."""
     if scale is not None and name.endswith("engram.embed.weight"):
-        s = stored_scale(scale, np.dtype(np.float32))
-        q = np.asarray(value).astype(np.float32)
-        return q * np.repeat(s, 32, axis=-1)[..., :q.shape[-1]]
+        return np.asarray(dequantize_fp8(value, stored_scale(scale, np.dtype(np.float32)), jnp.float32, (1, 32)))
     return np.asarray(dense_values(stored, file, name, value, scale))
 
 

@@ -12,6 +12,11 @@ from dsjax.checkpoint.safetensors_io import CheckpointError
 from dsjax.quant import dequantize_fp4, dequantize_fp8, float_to_ue8m0, ue8m0_to_float
 
 
+def np_dtype(dtype) -> np.dtype:
+    """A jnp dtype as the numpy dtype host arrays of it take (bf16 through ml_dtypes)."""
+    return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+
+
 def pair_scales(tensors: dict):
     """{name: (file, x)} → (the same without scales, {weight name: (scale name, file, x)}): the FP8/FP4
     scales, keyed by the weight they scale: `X.scale` (original names) goes with `X.weight`,

@@ -116,7 +116,8 @@ def write_synthetic_v41(folder: str | os.PathLike, cfg, max_shard_bytes: int = 4
         rows, cols = shape[0], shape[-1]
         scale_name = name[: -len("weight")] + "scale"
         if kind in ("fp8", "fp8_rows"):
-            plan.append((name, e4m3, shape, lambda n, c=cols: (rng.standard_normal((n, c), np.float32) * 64).astype(e4m3)))
+            plan.append((name, e4m3, shape,
+                         lambda n, c=cols: (rng.standard_normal((n, c), np.float32) * 64).astype(e4m3)))
             srows = -(-rows // 32) if kind == "fp8" else rows
             plan.append((scale_name, e8m0, (srows, -(-cols // 32)),
                          lambda n, c=-(-cols // 32): np.full((n, c), _SCALE_BYTE, np.uint8).view(e8m0)))

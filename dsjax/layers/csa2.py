@@ -22,13 +22,13 @@ from dsjax.cache import CompressorState, LayerCache, extend_window, gather_windo
     write_entries
 from dsjax.cache_formats import quantize_dequantize
 from dsjax.config_v41 import FULL, REINDEX, LayerRole, V41Config
+from dsjax.kernels.indexer.op import index_scores
+from dsjax.kernels.sparse_attention.op import sparse_decode, sparse_prefill
 from dsjax.layers.attention import Attention, attend_with_sinks, window_visible
 from dsjax.layers.compression import entry_visible
 from dsjax.layers.indexer import IndexerScorer
 from dsjax.layers.linear import Linear
 from dsjax.layers.norms import RMSNorm
-from dsjax.kernels.indexer.op import index_scores
-from dsjax.kernels.sparse_attention.op import sparse_decode, sparse_prefill
 from dsjax.layers.rope import apply_rope, rope_table
 
 
@@ -76,8 +76,8 @@ class CSA2Compressor(nnx.Module):
             return state, keys, start_b, n_valid_b
         xf = x_bch.astype(jnp.float32)
         windows = gather_windows(state, self.kv_proj(xf), self.gate_proj(xf), start_b)
-        pooled = jnp.sum(windows.kv_bkmn * jax.nn.softmax(windows.gate_bkmn, axis=2), axis=2)
-        entries, keys = finish(self.kv_norm(pooled.astype(x_bch.dtype)), windows.first_b)
+        entries, keys = finish(self.kv_norm(_pool(windows.kv_bkmn, windows.gate_bkmn).astype(x_bch.dtype)),
+                               windows.first_b)
         new = store_windows(state, windows, entries, end_b)
         # A row without tokens keeps its buffer bit for bit (store_windows refills its free slots with filler).
         idle = (n_valid_b == 0)[:, None, None]
@@ -92,7 +92,12 @@ class CSA2Compressor(nnx.Module):
         width = self.kv_proj.weight.shape[0]  # explicit: a sequence with no complete group has zero groups
         kv = self.kv_proj(xf).reshape(b, s // self.ratio, self.ratio, width)
         gate = self.gate_proj(xf).reshape(b, s // self.ratio, self.ratio, width)
-        return jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2)
+        return _pool(kv, gate)
+
+
+def _pool(kv_bkmn: jax.Array, gate_bkmn: jax.Array) -> jax.Array:
+    """Each group's channel-wise softmax-weighted sum over its m tokens (fp32)."""
+    return jnp.sum(kv_bkmn * jax.nn.softmax(gate_bkmn, axis=2), axis=2)
 
 
 def select_candidate_blocks(score_bst: jax.Array, visible_len_bs: jax.Array, top_blocks: int,
@@ -148,26 +153,26 @@ class CSA2Indexer(nnx.Module):
         cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, entry_pos_bt, latent_btd.dtype)
         return _round(apply_rope(self.k_norm(self.k_proj(latent_btd)), cos, sin), "mxfp4", rounding)
 
-    def scores(self, x_bsh, q_res_bsr, positions_bs, keys_btc, rounding: bool) -> jax.Array:
-        """Index scores `[B,S,T]`, −inf where an entry is not yet visible to the query."""
+    def queries(self, q_res_bsr, positions_bs, rounding: bool) -> jax.Array:
+        """Index queries `[B,S,heads,c]`, rotated at the token position (and rounded as released)."""
         cfg = self.cfg
-        b, s, _ = x_bsh.shape
+        b, s, _ = q_res_bsr.shape
         q_bshc = self.q_b_proj(q_res_bsr).reshape(b, s, cfg.index_n_heads, cfg.index_head_dim)
         cos, sin = rope_table(cfg.rope_compress, cfg.head_dim, positions_bs, q_bshc.dtype)
-        q_bshc = _round(apply_rope(q_bshc, cos[:, :, None], sin[:, :, None]), "mxfp4", rounding)
-        score_bst = self.scorer(q_bshc, keys_btc, x_bsh)
+        return _round(apply_rope(q_bshc, cos[:, :, None], sin[:, :, None]), "mxfp4", rounding)
+
+    def scores(self, x_bsh, q_res_bsr, positions_bs, keys_btc, rounding: bool) -> jax.Array:
+        """Index scores `[B,S,T]`, −inf where an entry is not yet visible to the query."""
+        score_bst = self.scorer(self.queries(q_res_bsr, positions_bs, rounding), keys_btc, x_bsh)
         return jnp.where(entry_visible(positions_bs, keys_btc.shape[1], self.role.ratio), score_bst, -jnp.inf)
 
     def cached_scores(self, x_bch, q_res_bcr, positions_bc, keys: jax.Array, rounding: bool) -> jax.Array:
         """`scores` over a cache's keys store `[B, T, c]` (rows past a slot's entries are masked as not yet
         visible). One token per row runs the indexer's decode kernel op (`kernels.indexer`)."""
         cfg = self.cfg
-        b, c, _ = x_bch.shape
-        if c > 1:
+        if x_bch.shape[1] > 1:
             return self.scores(x_bch, q_res_bcr, positions_bc, keys.astype(x_bch.dtype), rounding)
-        q_b1hc = self.q_b_proj(q_res_bcr).reshape(b, 1, cfg.index_n_heads, cfg.index_head_dim)
-        cos, sin = rope_table(cfg.rope_compress, cfg.head_dim, positions_bc, q_b1hc.dtype)
-        q_bhc = _round(apply_rope(q_b1hc, cos[:, :, None], sin[:, :, None]), "mxfp4", rounding)[:, 0]
+        q_bhc = self.queries(q_res_bcr, positions_bc, rounding)[:, 0]
         w_bh = self.scorer.weights_proj(x_bch)[:, 0].astype(jnp.float32) * cfg.index_n_heads ** -0.5
         n_b = num_entries(positions_bc[:, 0] + 1, self.role.ratio)
         score_bt = index_scores(q_bhc, w_bh, keys, n_b, cfg.index_head_dim ** -0.5, kernels=self.kernels)
@@ -213,12 +218,8 @@ class CSA2Attention(Attention):
         visible_bsk = window_visible(positions_bs, positions_bs, cfg.sliding_window)
         if role.ratio:
             if self.compressor is not None:
-                latent_btd = self.compressor(x_bsh)
-                t = latent_btd.shape[1]
-                entry_pos_bt = jnp.broadcast_to(jnp.arange(t) * role.ratio, (x_bsh.shape[0], t))
-                cos, sin = rope_table(cfg.rope_compress, cfg.head_dim, entry_pos_bt, latent_btd.dtype)
-                entries = _round(apply_rope(latent_btd, cos, sin), "nvfp4", rounding)
-                shared = Shared(entries_btd=entries, keys_btc=self.indexer.keys(latent_btd, entry_pos_bt, rounding))
+                entries, keys = self._entry_rows(self.compressor(x_bsh), jnp.zeros((x_bsh.shape[0],), jnp.int32))
+                shared = Shared(entries_btd=entries, keys_btc=keys)
             if self.indexer is not None:
                 score_bst = self.indexer.scores(x_bsh, q_res_bsr, positions_bs, shared.keys_btc, rounding)
                 shared, score_bst = self.indexer.select(score_bst, positions_bs, shared)
@@ -241,16 +242,18 @@ class CSA2Attention(Attention):
         cache, _ = self._write_source(x_bch, start_b, n_valid_b, cache)
         return cache
 
+    def _entry_rows(self, latent_bkd: jax.Array, first_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(entries, index keys) of latents `[B,K,D]` for entries first … first + K − 1: rotated at `j·m` and
+        rounded as released."""
+        cfg, rounding = self.cfg, self.cache_rounding
+        pos_bk = (first_b[:, None] + jnp.arange(latent_bkd.shape[1])[None, :]) * self.role.ratio
+        cos, sin = rope_table(cfg.rope_compress, cfg.head_dim, pos_bk, latent_bkd.dtype)
+        rows = _round(apply_rope(latent_bkd, cos, sin), "nvfp4", rounding)
+        return rows, self.indexer.keys(latent_bkd, pos_bk, rounding)
+
     def _write_source(self, x_bch, start_b, n_valid_b, cache: LayerCache) -> tuple[LayerCache, Shared]:
-        cfg, role, rounding = self.cfg, self.role, self.cache_rounding
-
-        def finish(latent_bkd, first_b):
-            pos_bk = (first_b[:, None] + jnp.arange(latent_bkd.shape[1])[None, :]) * role.ratio
-            cos, sin = rope_table(cfg.rope_compress, cfg.head_dim, pos_bk, latent_bkd.dtype)
-            rows = _round(apply_rope(latent_bkd, cos, sin), "nvfp4", rounding)
-            return rows, self.indexer.keys(latent_bkd, pos_bk, rounding)
-
-        state, new_keys, first_b, count_b = self.compressor.extend(x_bch, start_b, n_valid_b, cache.compressor, finish)
+        state, new_keys, first_b, count_b = self.compressor.extend(x_bch, start_b, n_valid_b, cache.compressor,
+                                                                   self._entry_rows)
         cache = dataclasses.replace(cache, compressor=state, keys=write_entries(cache.keys, new_keys, first_b, count_b))
         return cache, Shared(entries_btd=state.entries, keys_btc=cache.keys)
 

@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's Engram conditional memory: rows of an n-gram table, looked up by hashes of each token's
-last few (compressed) tokens (`dsjax.engram_hash`, on the host), projected to one key per stream and a
+last few (compressed) tokens (`layers/ngram_hash.py`), projected to one key per stream and a
 shared value, and written into the streams through a per-stream gate.
 
 `g_n = sigmoid(signed_sqrt(⟨T_n ⊙ q_n ⊙ k_n, key_n⟩ · rstd(T_n) · rstd(key_n) · H^-0.5))`,
@@ -14,7 +14,7 @@ from flax import nnx
 
 from dsjax.layers.linear import Linear
 from dsjax.layers.variables import Buffer
-from dsjax.quant import quantize_fp8, ue8m0_to_float
+from dsjax.quant import dequantize_fp8, quantize_fp8
 
 ROW_GROUP = 32  # values per scale in a quantized table row
 
@@ -48,7 +48,7 @@ class Engram(nnx.Module):
         if self.table_scale is None:
             return q
         scale = jnp.take(self.table_scale[...], rows, axis=0, mode="clip")
-        return q.astype(jnp.float32) * jnp.repeat(ue8m0_to_float(scale), ROW_GROUP, axis=-1)[..., :q.shape[-1]]
+        return dequantize_fp8(q, scale, jnp.float32, (1, ROW_GROUP))  # per row: blocks of 1 × 32
 
     def __call__(self, h_bsnh: jax.Array, rows_bsk: jax.Array, live_bs: jax.Array) -> jax.Array:
         """The streams after the write; `rows_bsk` are this layer's table rows of each token."""
