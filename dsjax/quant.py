@@ -89,9 +89,11 @@ def divide_rn(a, b) -> jnp.ndarray:
 
 def long_division(a, b) -> jnp.ndarray:
     """`a / b` for fp32 arrays of one shape by long division of the mantissas in uint32, correctly
-    rounded for positive normal operands and results; anything else falls back to `a / b`."""
+    rounded for normal operands and results of either sign; anything else falls back to `a / b`."""
     ab, bb = (jax.lax.bitcast_convert_type(v, jnp.uint32) for v in (a, b))
-    ea, eb = (ab >> 23).astype(jnp.int32), (bb >> 23).astype(jnp.int32)  # sign bit 0 where used
+    sign = (ab ^ bb) & jnp.uint32(0x80000000)
+    ab, bb = ab & 0x7FFFFFFF, bb & 0x7FFFFFFF
+    ea, eb = (ab >> 23).astype(jnp.int32), (bb >> 23).astype(jnp.int32)
     ma, mb = (ab & 0x7FFFFF) | 0x800000, (bb & 0x7FFFFF) | 0x800000
     below = ma < mb  # scale the dividend so the quotient lies in [1, 2)
     r = jnp.where(below, ma << 1, ma)
@@ -106,7 +108,7 @@ def long_division(a, b) -> jnp.ndarray:
     mant = mant + round_up.astype(jnp.uint32)
     carry = (mant >> 24).astype(jnp.int32)
     mant, exponent = jnp.where(carry > 0, mant >> 1, mant), exponent + carry
-    bits = (exponent.astype(jnp.uint32) << 23) | (mant & 0x7FFFFF)
+    bits = sign | (exponent.astype(jnp.uint32) << 23) | (mant & 0x7FFFFF)
     usable = (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255) & (exponent > 0) & (exponent < 255)
     return jnp.where(usable, jax.lax.bitcast_convert_type(bits, jnp.float32), a / b)
 

@@ -122,12 +122,15 @@ def test_every_ue8m0_byte_is_an_exact_power_of_two():
 
 @pytest.mark.parametrize("divide", [divide_rn, long_division])
 def test_division_is_ieee_over_the_whole_exponent_range(divide):
-    """`long_division` is what `divide_rn` runs off the CPU, where XLA's division is approximate."""
+    """`long_division` is what `divide_rn` runs off the CPU, where XLA's division is approximate; either sign
+    (NVFP4 divides signed values by their scale: a negative one once fell back to the approximate division),
+    and exact ties of short (bf16) mantissas."""
     rng = np.random.default_rng(4)
-    a = np.abs(rng.normal(size=1 << 16) * np.exp(rng.normal(size=1 << 16) * 8)).astype(np.float32)
-    b = np.abs(rng.normal(size=1 << 16) * np.exp(rng.normal(size=1 << 16) * 8)).astype(np.float32)
+    a = (rng.normal(size=1 << 16) * np.exp(rng.normal(size=1 << 16) * 8)).astype(np.float32)
+    b = (rng.normal(size=1 << 16) * np.exp(rng.normal(size=1 << 16) * 8)).astype(np.float32)
+    short = a.astype(ml_dtypes.bfloat16).astype(np.float32)
     with np.errstate(over="ignore", under="ignore"):
-        for x, y in ((a, b), (np.full_like(b, 448), b), (a, np.full_like(a, 6))):
+        for x, y in ((a, b), (np.full_like(b, -448), b), (a, np.full_like(a, 6)), (short, np.full_like(a, -0.75))):
             _same_bits(jax.jit(divide)(x, y), x / y)
 
 
