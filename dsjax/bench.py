@@ -278,11 +278,13 @@ def roofline(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, rates
 
 
 def roofline_v41(model, batch: int, prompt_len: int, gen_len: int, rates: DeviceRates,
-                 decoder_prefill: str = "exact") -> dict:
+                 decoder_prefill: str = "exact", kv_dtype: str | None = None) -> dict:
     """`roofline` for a DeepSeek-V4.1 model: decode reads every weight but the embedding, the touched routed
     experts and the 2·24 Engram rows a token looks up, and per slot each layer's window, the index keys its
-    indexer scores (Full and Reindex layers) and the entries it picks; prefill runs the decoder layers on
-    `decoder_keep` positions with exact truncation (all of them with "full")."""
+    indexer scores (Full and Reindex layers) and the entries it picks, in the cache's storage (`kv_dtype`);
+    prefill runs the decoder layers on `decoder_keep` positions with exact truncation (all of them with
+    "full")."""
+    from dsjax.cache_formats import V41_STORAGE, record_bytes
     from dsjax.model_v41 import decoder_keep
 
     cfg = model.cfg
@@ -312,21 +314,28 @@ def roofline_v41(model, batch: int, prompt_len: int, gen_len: int, rates: Device
         if layer is not None and not name.endswith(("_scale_inv", "_scale")):
             layer_active[layer] += value.size * share
     head_active = cfg.vocab_size * cfg.hidden_size
-    row_bytes = jnp.dtype(model.dtype).itemsize
+    if kv_dtype in V41_STORAGE:
+        window_fmt, entry_fmt, key_fmt = V41_STORAGE[kv_dtype]
+        window_row, entry_row = record_bytes(window_fmt, cfg.head_dim), record_bytes(entry_fmt, cfg.head_dim)
+        key_row = record_bytes(key_fmt, cfg.index_head_dim)
+    else:
+        size = jnp.dtype(jnp.bfloat16 if kv_dtype else model.dtype).itemsize
+        window_row, entry_row, key_row = size * cfg.head_dim, size * cfg.head_dim, size * cfg.index_head_dim
 
     def per_token_attention(ctx: int) -> tuple[float, float]:
         """(cache bytes one query reads, attention and indexer FLOPs) over all layers at `ctx` tokens."""
         read = flops = 0.0
         for r in roles:
             rows = min(cfg.sliding_window, ctx)
+            read += rows * window_row
             if r.ratio:
                 entries = ctx // r.ratio
                 picks = min(cfg.index_topk, entries)
                 rows += picks
+                read += picks * entry_row
                 if r.mode in ("full", "reindex"):
-                    read += entries * cfg.index_head_dim * row_bytes
+                    read += entries * key_row
                     flops += 2 * cfg.index_n_heads * cfg.index_head_dim * entries
-            read += rows * cfg.head_dim * row_bytes
             flops += 4 * cfg.num_attention_heads * cfg.head_dim * rows
         return read, flops
 
@@ -493,7 +502,7 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, r
            "decode_tokens_per_s": batch * steps / decode_s, "decode_steps": steps,
            "peak_memory_bytes": peak_memory()[0], "compilations_after_warmup": 0}
     if rates is not None:
-        roof = (roofline_v41(model, batch, prompt_len, gen_len, rates, run.decoder_prefill)
+        roof = (roofline_v41(model, batch, prompt_len, gen_len, rates, run.decoder_prefill, run.kv_dtype)
                 if getattr(cfg, "family", "v4") == "v4.1" else roofline(model, batch, prompt_len, gen_len, rates,
                                                                          run.kv_dtype))
         out |= {f"roofline_{k}": v for k, v in roof.items()}

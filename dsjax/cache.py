@@ -46,11 +46,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dsjax.cache_formats import V41_STORAGE, Records
 from dsjax.config import HCA, SLIDING, ModelConfig
 from dsjax.quant import INDEX_FP8_GROUP, KV_DTYPES, KV_FP8_GROUP, PackedKV, empty_kv, pack_kv, unpack_kv
 from dsjax.run_config import check_choice
 
-Rows = jax.Array | PackedKV
+Rows = jax.Array | PackedKV | Records
 
 
 @jax.tree_util.register_dataclass
@@ -96,14 +97,25 @@ def kv_rows(shape, dtype, kv_dtype: str | None, rope_dim: int, group: int = KV_F
 
 def read_rows(stored: Rows, dtype) -> jax.Array:
     """Cache rows as `dtype` values."""
-    return unpack_kv(stored, dtype) if isinstance(stored, PackedKV) else stored.astype(dtype)
+    if isinstance(stored, PackedKV):
+        return unpack_kv(stored, dtype)
+    if isinstance(stored, Records):
+        return stored.values(dtype)
+    return stored.astype(dtype)
 
 
 def as_rows(x: jax.Array, like: Rows) -> Rows:
     """New rows `x` in the storage of `like` (to be written into it)."""
     if isinstance(like, PackedKV):
         return pack_kv(x, like.fmt, like.rope.shape[-1], like.group)
+    if isinstance(like, Records):
+        return Records.of(x, like.fmt)
     return x.astype(like.dtype)
+
+
+def is_packed(stored: Rows | None) -> bool:
+    """Whether writing rows into `stored` rounds them (packed storage)."""
+    return isinstance(stored, (PackedKV, Records))
 
 
 def _along_rows(index_bn: jax.Array, x: jax.Array) -> jax.Array:
@@ -315,20 +327,24 @@ def layer_cache(cfg: ModelConfig, attention_type: str, num_slots: int, max_len: 
 def v41_layer_cache(cfg, role, num_slots: int, max_len: int, dtype, kv_dtype: str | None = None) -> LayerCache:
     """One DeepSeek-V4.1 layer's empty cache: its window ring; a KV source (Full layer) adds its compressed
     entries, their index keys and (ratio 2) the raw projections of a token waiting for its pair (fp32).
-    Reindex and Reuse layers read their source's. The release's packed cache formats are not kept yet:
-    `kv_dtype` None or "bfloat16" only."""
-    if kv_dtype not in (None, "bfloat16"):
-        raise ValueError(f"kv_dtype {kv_dtype!r}: a DeepSeek-V4.1 cache is kept in a float dtype so far "
-                         "(None or 'bfloat16'); its MXFP8 / NVFP4 / MXFP4 storage is not built yet")
-    rows = jnp.bfloat16 if kv_dtype else dtype
-    window = jnp.zeros((num_slots, cfg.sliding_window, cfg.head_dim), rows)
+    Reindex and Reuse layers read their source's. `kv_dtype` None keeps rows in `dtype`, "bfloat16" in
+    bf16; "fp4" stores them as the release does (window MXFP8, entries NVFP4, index keys MXFP4, as
+    `cache_formats.Records`), "fp8" the same with MXFP8 entries (`cache_formats.V41_STORAGE`)."""
+    check_choice("kv_dtype", kv_dtype, KV_DTYPES, none="dtype")
+
+    def rows(shape, part: int):
+        if kv_dtype in V41_STORAGE:
+            return Records.zeros(shape, V41_STORAGE[kv_dtype][part])
+        return jnp.zeros(shape, jnp.bfloat16 if kv_dtype else dtype)
+
+    window = rows((num_slots, cfg.sliding_window, cfg.head_dim), 0)
     if role.mode != "full":
         return LayerCache(window)
     m, t = role.ratio, max_len // role.ratio
     f32 = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
     state = CompressorState(buffer_kv=f32(num_slots, m, cfg.head_dim), buffer_gate=f32(num_slots, m, cfg.head_dim),
-                            entries=jnp.zeros((num_slots, t, cfg.head_dim), rows))
-    return LayerCache(window, compressor=state, keys=jnp.zeros((num_slots, t, cfg.index_head_dim), rows))
+                            entries=rows((num_slots, t, cfg.head_dim), 1))
+    return LayerCache(window, compressor=state, keys=rows((num_slots, t, cfg.index_head_dim), 2))
 
 
 def init_cache(model, num_slots: int, max_len: int, dtype=None, kv_dtype: str | None = None) -> Cache:

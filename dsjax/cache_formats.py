@@ -41,11 +41,14 @@ An odd dim pads its last byte with a zero nibble.
 
 XLA on CPU flushes subnormal fp32 operands and results to zero; torch does not. Only mxfp4 reaches that
 range (its scale can be 2^-126), and it is computed around it, so results match torch there too.
+`Records` holds cache rows stored so (the V4.1 cache's `kv_dtype` "fp8" / "fp4"); `dsjax.cache` reads and
+writes it like V4's `quant.PackedKV`.
 Pure functions, jitted with `fmt`, `saturate`, `dtype` and `dim` static; they trace inside `jit` and `vmap`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -235,3 +238,31 @@ def unpack(records, fmt: str, dtype=jnp.bfloat16, *, dim: int | None = None) -> 
     values = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, groups * block - dim)])
     values = values.reshape(values.shape[:-1] + (groups, block))
     return _decode(values, scale[..., None], fmt, dim, dtype)
+
+
+# The V4.1 cache's storage per `kv_dtype`: (window, compressed entries, index keys).
+V41_STORAGE = {"fp8": ("mxfp8", "mxfp8", "mxfp4"), "fp4": ("mxfp8", "nvfp4", "mxfp4")}
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=["fmt", "dim"])
+@dataclasses.dataclass
+class Records:
+    """Cache rows `[..., dim]` stored as packed records `data` uint8 `[..., record_bytes(fmt, dim)]`."""
+
+    data: jax.Array
+    fmt: str
+    dim: int
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], fmt: str) -> "Records":
+        """Empty rows of `shape` (`[..., dim]`); all-zero records read as zeros."""
+        return cls(jnp.zeros(shape[:-1] + (record_bytes(fmt, shape[-1]),), jnp.uint8), fmt, shape[-1])
+
+    @classmethod
+    def of(cls, x: jax.Array, fmt: str) -> "Records":
+        """Rows `x [..., dim]` packed (finite values only)."""
+        return cls(pack(x, fmt), fmt, x.shape[-1])
+
+    def values(self, dtype) -> jax.Array:
+        """The rows as `dtype` values: `quantize_dequantize` of what was packed."""
+        return unpack(self.data, self.fmt, dtype, dim=self.dim)

@@ -23,8 +23,9 @@ _RUN_FLAGS = {
     "chunk_size": ("--chunk-size", dict(type=int, metavar="TOKENS"), "prompt tokens per prefill chunk"),
     "dtype": ("--dtype", dict(choices=DTYPES), "activations, float weights and the cache's float parts"),
     "kv_dtype": ("--kv-dtype", dict(choices=KV_DTYPES),
-                 "cache storage of K=V rows (default: --dtype); fp8 and fp4 keep the rotary part in bf16 and the "
-                 "indexer's keys in fp8 (docs/quantization.md)"),
+                 "cache storage of K=V rows (default: --dtype). V4: fp8 and fp4 keep the rotary part in bf16 and "
+                 "the indexer's keys in fp8 (docs/quantization.md); V4.1: fp4 packs rows as the release does (MXFP8 "
+                 "window, NVFP4 entries, MXFP4 index keys), fp8 the same with MXFP8 entries (docs/v41.md)"),
     "weights": ("--weights", dict(choices=WEIGHTS),
                 "keep: FP8 blocks and FP4 routed experts (a checkpoint's own storage; DeepSeek's release format "
                 "for a preset) stay so on the device, dequantized layer by layer inside each step; bf16: float "
@@ -160,11 +161,11 @@ def _info_v41(name: str, cfg) -> int:
         print(f"  {comp:<19} {n:>18,}  {100 * n / info.total:5.1f}%")
     modes = [r.mode for r in cfg.layer_roles()]
     print("  layers: " + ", ".join(f"{m}×{modes.count(m)}" for m in ("sliding", "full", "reindex", "reuse")))
-    for fmt, label in (("fp4", "NVFP4 entries (release default)"), ("mxfp8", "MXFP8 entries")):
-        c = v41_cache_bytes(cfg, fmt)
+    for kv, label in (("fp4", "NVFP4 entries (release default)"), ("fp8", "MXFP8 entries")):
+        c = v41_cache_bytes(cfg, kv)
         print(f"  cache, {label}: {c['global_per_token']:,.0f} B per token of context (entries "
               f"{c['entries_per_token']:,.0f}, index keys {c['index_keys_per_token']:,.0f}) + window rings "
-              f"{c['windows_per_sequence'] / 2**20:,.2f} MiB per sequence (MXFP8)")
+              f"{c['windows_per_sequence'] / 2**20:,.2f} MiB per sequence (MXFP8); --kv-dtype {kv}")
     return 0
 
 

@@ -194,17 +194,22 @@ def v41_model_info(cfg) -> V41Info:
     return info
 
 
-def v41_cache_bytes(cfg, fmt: str = "fp4") -> dict[str, float]:
-    """Cache bytes per token of the release's formats (`dsjax.cache_formats`): the global part (compressed entries
-    and index keys of the KV sources) per token of context, and the per-sequence window rings. `fmt`: the main
-    compressed KV in "fp4" (NVFP4, the default) or "mxfp8"."""
-    from dsjax.cache_formats import record_bytes
+def v41_cache_bytes(cfg, kv_dtype: str = "fp4") -> dict[str, float]:
+    """Cache bytes per token of the release's formats (`dsjax.cache_formats.V41_STORAGE`): the global part
+    (compressed entries and index keys of the KV sources) per token of context, and the per-sequence window
+    rings. `kv_dtype` as the cache's (`dsjax.cache.v41_layer_cache`): "fp4" (NVFP4 entries, the release's
+    default) or "fp8" (MXFP8 entries)."""
+    from dsjax.cache_formats import V41_STORAGE, record_bytes
 
-    entry = record_bytes("nvfp4" if fmt == "fp4" else "mxfp8", cfg.head_dim)
-    key = record_bytes("mxfp4", cfg.index_head_dim)
+    if kv_dtype not in V41_STORAGE:
+        raise ValueError(f"kv_dtype must be one of {sorted(V41_STORAGE)} (the release's packed formats), "
+                         f"got {kv_dtype!r}")
+    window_fmt, entry_fmt, key_fmt = V41_STORAGE[kv_dtype]
+    entry = record_bytes(entry_fmt, cfg.head_dim)
+    key = record_bytes(key_fmt, cfg.index_head_dim)
     roles = cfg.layer_roles()
     global_bytes = sum((entry + key) / r.ratio for r in roles if r.mode == "full")
-    window = len(roles) * cfg.sliding_window * record_bytes("mxfp8", cfg.head_dim)
+    window = len(roles) * cfg.sliding_window * record_bytes(window_fmt, cfg.head_dim)
     return {"global_per_token": global_bytes, "entries_per_token": sum(entry / r.ratio for r in roles
                                                                           if r.mode == "full"),
             "index_keys_per_token": sum(key / r.ratio for r in roles if r.mode == "full"),

@@ -289,8 +289,21 @@ def test_v41_roofline_counts_truncated_prefill():
 def test_cli_benches_a_v41_preset(tmp_path):
     out = tmp_path / "rows.jsonl"
     assert main(["bench", "--preset", "tiny-v4.1", "--slots", "2", "--prompt-len", "40", "--gen-len", "4",
-                 "--chunk-size", "16", "--weights", "keep", "--copy-tbps", "1", "--matmul-tflops", "100",
-                 "--json", str(out)]) == 0
+                 "--chunk-size", "16", "--weights", "keep", "--kv-dtype", "fp4", "--copy-tbps", "1",
+                 "--matmul-tflops", "100", "--json", str(out)]) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["weights"] == "keep" and row["layers"] == 8 and row["compilations_after_warmup"] == 0
+    assert row["kv_dtype"] == "fp4"  # the release's packed cache, through the engine's donated steps
     assert row["roofline_decode_step_s"] > 0
+
+
+def test_v41_roofline_reads_the_caches_storage():
+    """Decode's cache bytes in the cache's storage: tiny-v4.1 at 204 tokens of context reads per layer 8 window
+    rows, per ratio-2 layer (Full, Reindex) 8 picked entries and, for both, 102 index keys; per ratio-1 layer
+    (Full, Reuse, Reindex, Reuse) 8 picked entries and, for Full and Reindex, 204 keys. Packed ("fp4"): rows of
+    66 (MXFP8 window, 64 channels), 36 (NVFP4 entry) and 17 bytes (MXFP4 key, 32 channels); bf16: 2 B a channel."""
+    model = B.random_model(B.bench_config("tiny-v4.1"))
+    fp4 = B.roofline_v41(model, 1, 200, 8, RATES, kv_dtype="fp4")["decode_cache_bytes"]
+    bf16 = B.roofline_v41(model, 1, 200, 8, RATES, kv_dtype="bfloat16")["decode_cache_bytes"]
+    assert fp4 == 8 * 8 * 66 + 2 * 8 * 36 + 2 * 102 * 17 + 4 * 8 * 36 + 2 * 204 * 17
+    assert bf16 == 8 * 8 * 128 + 2 * 8 * 128 + 2 * 102 * 64 + 4 * 8 * 128 + 2 * 204 * 64

@@ -226,3 +226,32 @@ def test_write_entries_lands_rows_in_the_stores_storage(kv_dtype):
     if packed is not None:
         np.testing.assert_array_equal(np.asarray(got.codes[1, 4:6]).view(np.uint8),
                                       np.asarray(packed.codes[1, :2]).view(np.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp4", "fp8"])
+def test_v41_packed_cache_holds_the_releases_bytes(kv_dtype):
+    """A V4.1 cache of `kv_dtype` "fp4" / "fp8" takes the bytes `dsjax info` prints for the release: 890 / 1490 B
+    per token of global cache, 40 window rings of 128 MXFP8 rows per sequence; its rows are packed records."""
+    from dsjax.cache import v41_layer_cache
+    from dsjax.cache_formats import Records
+    from dsjax.config_v41 import V41Config
+    from dsjax.info import v41_cache_bytes
+
+    cfg = V41Config.preset("v4.1-flash")
+    max_len = 4096
+    global_bytes = window_bytes = 0
+    for role in cfg.layer_roles():
+        one = jax.eval_shape(lambda role=role: v41_layer_cache(cfg, role, 1, max_len, jnp.bfloat16, kv_dtype))
+        assert isinstance(one.window, Records) and one.window.fmt == "mxfp8"
+        window_bytes += one.window.data.size
+        if role.mode == "full":
+            assert one.compressor.entries.fmt == ("nvfp4" if kv_dtype == "fp4" else "mxfp8")
+            assert one.keys.fmt == "mxfp4"
+            global_bytes += one.compressor.entries.data.size + one.keys.data.size
+        else:
+            assert one.compressor is None and one.keys is None
+    want = v41_cache_bytes(cfg, kv_dtype)
+    assert global_bytes / max_len == want["global_per_token"] == {"fp4": 890, "fp8": 1490}[kv_dtype]
+    assert window_bytes == want["windows_per_sequence"]
+    with pytest.raises(ValueError, match="kv_dtype"):
+        v41_cache_bytes(cfg, "mxfp8")

@@ -37,7 +37,7 @@ def test_v41_cache_bytes_are_the_releases():
     1490 with MXFP8 entries; each sequence's 40 window rings of 128 MXFP8 rows of 528 B."""
     cfg = V41Config.preset("v4.1-flash")
     assert v41_cache_bytes(cfg)["global_per_token"] == 890
-    assert v41_cache_bytes(cfg, "mxfp8")["global_per_token"] == 1490
+    assert v41_cache_bytes(cfg, "fp8")["global_per_token"] == 1490
     assert v41_cache_bytes(cfg)["windows_per_sequence"] == 40 * 128 * 528
 
 

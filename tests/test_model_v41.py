@@ -14,7 +14,8 @@ import pytest
 import tokamax  # noqa: F401
 from flax import nnx
 
-from dsjax.cache import init_cache
+from dsjax.cache import init_cache, read_rows
+from dsjax.cache_formats import Records
 from dsjax.config_v41 import V41Config
 from dsjax.engram_hash import EngramHasher
 from dsjax.layers.engram import Engram
@@ -99,12 +100,12 @@ SCHEDULE = [((0, 7), (0, 7)), ((7, 7), (7, 0)), ((14, 7), (7, 5)), ((21, 7), (12
             ((33, 0), (26, 7))]
 
 
-def _cached_logits(model, ids, schedule, chunk):
+def _cached_logits(model, ids, schedule, chunk, kv_dtype=None):
     """(logits of the positions `schedule` feeds through `extend`, NaN elsewhere; the cache after it). A row
     with n_valid 0 keeps every cache value that holds data bit for bit: all of it but the ratio-2 compressor
     buffer slot that holds no waiting token (`test_a_row_with_no_valid_tokens_keeps_its_cache_bit_for_bit`)."""
     rng = np.random.default_rng(2)
-    cache = init_cache(model, B, T)
+    cache = init_cache(model, B, T, kv_dtype=kv_dtype)
     got = np.full((B, T, CFG.vocab_size), np.nan, np.float32)
     for step in schedule:
         tokens = rng.integers(0, CFG.vocab_size, (B, chunk)).astype(np.int32)
@@ -129,16 +130,23 @@ def _cached_logits(model, ids, schedule, chunk):
     return got, cache
 
 
-def test_cached_inference_equals_the_full_forward(model, ids):
-    """Rounding off: chunked prefill of 33 tokens (a chunk that leaves a ratio-2 pair open, rows skipping a
-    step, junk in unused columns), then 7 teacher-forced decode steps."""
-    full = forward(model, ids)
-    got, cache = _cached_logits(model, ids, SCHEDULE, CHUNK)
+def _prefill_and_decode(model, ids, kv_dtype=None):
+    """Logits of every position: `SCHEDULE`'s chunked prefill of 33 tokens, then 7 teacher-forced decode steps;
+    and the cache after them."""
+    got, cache = _cached_logits(model, ids, SCHEDULE, CHUNK, kv_dtype)
     for p in range(PROMPT, T):
         hidden, cache = _step(model, jnp.asarray(ids[:, p:p + 1]), cache, jnp.full((B,), p, jnp.int32),
                               jnp.ones((B,), jnp.int32))
         got[:, p] = np.asarray(model.logits(hidden))[:, 0]
     assert not np.isnan(got).any()
+    return got, cache
+
+
+def test_cached_inference_equals_the_full_forward(model, ids):
+    """Rounding off: chunked prefill of 33 tokens (a chunk that leaves a ratio-2 pair open, rows skipping a
+    step, junk in unused columns), then 7 teacher-forced decode steps."""
+    full = forward(model, ids)
+    got, _ = _prefill_and_decode(model, ids)
     err = np.abs(got - full).max(-1) / np.abs(full).max()
     assert err.max() <= 1e-5, f"positions {np.argwhere(err > 1e-5).tolist()} differ by up to {err.max():.3g}"
 
@@ -164,6 +172,38 @@ def test_cached_decode_with_rounding_equals_the_full_forward(model, ids):
     err = np.abs(got - full).max(-1) / np.abs(full).max()
     assert err.max() <= 1e-5, f"positions {np.argwhere(err > 1e-5).tolist()} differ by up to {err.max():.3g}"
     assert _rel(got, forward(model, ids)) > 1e-3
+
+
+def test_packed_cache_equals_the_rounded_float_cache(model, ids):
+    """`kv_dtype` "fp4" keeps the window, entries and index keys as the release's packed records; packing rounds
+    exactly as the rounding step does, so chunked prefill and decode give the logits of a float cache holding
+    the rounded rows, and the stores read back exactly those rows (a rounded value is exact in fp32). "fp8"
+    keeps the entries in MXFP8 instead: the first KV source (layer 2, after two sliding-window layers whose
+    MXFP8 windows are the same) stores the same latents in the other format, within NVFP4's error of them."""
+    on = with_cache_rounding(model, True)
+    floats, float_cache = _prefill_and_decode(on, ids)
+    packed, packed_cache = _prefill_and_decode(on, ids, "fp4")
+    np.testing.assert_array_equal(packed, floats)
+    for role, (f,), (p,) in zip(CFG.layer_roles(), float_cache.groups, packed_cache.groups):
+        assert isinstance(p.window, Records) and p.window.fmt == "mxfp8"
+        np.testing.assert_array_equal(read_rows(p.window, jnp.float32), f.window)
+        if role.mode == "full":
+            assert p.compressor.entries.fmt == "nvfp4" and p.keys.fmt == "mxfp4"
+            np.testing.assert_array_equal(read_rows(p.compressor.entries, jnp.float32), f.compressor.entries)
+            np.testing.assert_array_equal(read_rows(p.keys, jnp.float32), f.keys)
+    fp8, fp8_cache = _prefill_and_decode(on, ids, "fp8")
+    assert not np.array_equal(fp8, packed)
+    first = [r.mode for r in CFG.layer_roles()].index("full")
+    for i in range(first + 1):
+        np.testing.assert_array_equal(fp8_cache.groups[i][0].window.data, packed_cache.groups[i][0].window.data)
+    fp8_entries = np.asarray(read_rows(fp8_cache.groups[first][0].compressor.entries, jnp.float32))
+    fp4_entries = np.asarray(read_rows(packed_cache.groups[first][0].compressor.entries, jnp.float32))
+    assert fp8_cache.groups[first][0].compressor.entries.fmt == "mxfp8"
+    assert not np.array_equal(fp8_entries, fp4_entries)
+    # NVFP4 errs by at most half its top step (1 of 6) times a scale e4m3 rounds up to 1/16 over amax / 6, so
+    # 0.18 of a row's largest value; MXFP8 adds under 1/16 of each value (0.2045 seen).
+    amax = np.abs(fp8_entries).max(-1, keepdims=True)
+    assert np.all(np.abs(fp8_entries - fp4_entries) <= 0.25 * amax)
 
 
 def test_a_row_with_no_valid_tokens_keeps_its_cache_bit_for_bit(model, ids):

@@ -7,7 +7,8 @@ source's index keys with queries of its own (inside the candidate pool when a ca
 it); a **Reuse** layer attends the source's entries with the selection of the layer before it. What a
 layer shares travels to the next as `Shared`. Queries have no per-head RMSNorm; compressed entries and
 index keys are rotated at position `j·m`; the release stores the window in MXFP8, entries in NVFP4 and
-index queries and keys in MXFP4, which the full forward reproduces as a round trip (`cache_rounding`).
+index queries and keys in MXFP4, which the full forward reproduces as a round trip (`cache_rounding`) and
+a cache of `kv_dtype` "fp4" stores as packed records (`dsjax.cache.v41_layer_cache`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.cache import CompressorState, LayerCache, extend_window, gather_windows, num_entries, store_windows, \
-    write_entries
+from dsjax.cache import CompressorState, LayerCache, extend_window, gather_windows, is_packed, num_entries, \
+    read_rows, store_windows, write_entries
 from dsjax.cache_formats import quantize_dequantize
 from dsjax.config_v41 import FULL, REINDEX, LayerRole, V41Config
 from dsjax.kernels.indexer.op import index_scores
@@ -171,7 +172,7 @@ class CSA2Indexer(nnx.Module):
         visible). One token per row runs the indexer's decode kernel op (`kernels.indexer`)."""
         cfg = self.cfg
         if x_bch.shape[1] > 1:
-            return self.scores(x_bch, q_res_bcr, positions_bc, keys.astype(x_bch.dtype), rounding)
+            return self.scores(x_bch, q_res_bcr, positions_bc, read_rows(keys, x_bch.dtype), rounding)
         q_bhc = self.queries(q_res_bcr, positions_bc, rounding)[:, 0]
         w_bh = self.scorer.weights_proj(x_bch)[:, 0].astype(jnp.float32) * cfg.index_n_heads ** -0.5
         n_b = num_entries(positions_bc[:, 0] + 1, self.role.ratio)
@@ -242,18 +243,22 @@ class CSA2Attention(Attention):
         cache, _ = self._write_source(x_bch, start_b, n_valid_b, cache)
         return cache
 
-    def _entry_rows(self, latent_bkd: jax.Array, first_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _entry_rows(self, latent_bkd: jax.Array, first_b: jax.Array, cache: LayerCache | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
         """(entries, index keys) of latents `[B,K,D]` for entries first … first + K − 1: rotated at `j·m` and
-        rounded as released."""
+        rounded as released, unless they go into a `cache` whose packed storage rounds them."""
         cfg, rounding = self.cfg, self.cache_rounding
         pos_bk = (first_b[:, None] + jnp.arange(latent_bkd.shape[1])[None, :]) * self.role.ratio
         cos, sin = rope_table(cfg.rope_compress, cfg.head_dim, pos_bk, latent_bkd.dtype)
-        rows = _round(apply_rope(latent_bkd, cos, sin), "nvfp4", rounding)
-        return rows, self.indexer.keys(latent_bkd, pos_bk, rounding)
+        stored, stored_keys = (False, False) if cache is None else (is_packed(cache.compressor.entries),
+                                                                    is_packed(cache.keys))
+        rows = _round(apply_rope(latent_bkd, cos, sin), "nvfp4", rounding and not stored)
+        return rows, self.indexer.keys(latent_bkd, pos_bk, rounding and not stored_keys)
 
     def _write_source(self, x_bch, start_b, n_valid_b, cache: LayerCache) -> tuple[LayerCache, Shared]:
+        finish = lambda latent, first_b: self._entry_rows(latent, first_b, cache)  # noqa: E731
         state, new_keys, first_b, count_b = self.compressor.extend(x_bch, start_b, n_valid_b, cache.compressor,
-                                                                   self._entry_rows)
+                                                                   finish)
         cache = dataclasses.replace(cache, compressor=state, keys=write_entries(cache.keys, new_keys, first_b, count_b))
         return cache, Shared(entries_btd=state.entries, keys_btc=cache.keys)
 
@@ -268,7 +273,8 @@ class CSA2Attention(Attention):
         c_len = x_bch.shape[1]
         positions_bc = start_b[:, None] + jnp.arange(c_len)[None, :]
         cos_h, sin_h, q_res_bcr, q_bchd, kv_bcd = self._project_in(x_bch, positions_bc)
-        keys, window = extend_window(cache.window, _round(kv_bcd, "mxfp8", rounding), start_b, n_valid_b, floor_b)
+        kv_bcd = _round(kv_bcd, "mxfp8", rounding and not is_packed(cache.window))  # packing rounds them alike
+        keys, window = extend_window(cache.window, kv_bcd, start_b, n_valid_b, floor_b)
         cache = dataclasses.replace(cache, window=window)
         entries, picks = None, None
         if role.ratio:

@@ -7,7 +7,7 @@ import functools
 
 import jax
 
-from dsjax.kernels.dispatch import dispatch, over_slots
+from dsjax.kernels.dispatch import dispatch, over_slots, reads_records
 from dsjax.kernels.indexer.mosaic_tpu import index_scores_tpu
 from dsjax.kernels.indexer.reference import index_scores_reference
 from dsjax.kernels.indexer.triton import index_scores_gpu
@@ -22,6 +22,7 @@ def index_scores(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.
 
 
 def _index_scores(q_bhc, weights_bh, keys, keys_len_b, scale, *, kernels):
+    kernels = reads_records(kernels, keys)
     args = (q_bhc, weights_bh, keys, keys_len_b, scale)
     return dispatch(functools.partial(index_scores_reference, *args), kernels=kernels,
                     gpu=lambda interpret: index_scores_gpu(*args, interpret=interpret),

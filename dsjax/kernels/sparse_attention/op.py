@@ -8,7 +8,7 @@ import functools
 import jax
 
 from dsjax.kernels.devices import TUNED_GPU, device_facts
-from dsjax.kernels.dispatch import dispatch, over_slots
+from dsjax.kernels.dispatch import dispatch, over_slots, reads_records
 from dsjax.kernels.sparse_attention.mosaic_gpu import sparse_decode_mosaic, sparse_decode_mosaic_packed
 from dsjax.kernels.sparse_attention.mosaic_tpu import sparse_decode_tpu, sparse_prefill_tpu
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
@@ -54,6 +54,7 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
 
 
 def _sparse_decode(q_bhd, window, window_len_b, entries, sinks_h, scale, *, entries_len_b, idx_bk, kernels):
+    kernels = reads_records(kernels, window, entries)
     args = (q_bhd, window, window_len_b, entries, sinks_h, scale)
     kw = dict(entries_len_b=entries_len_b, idx_bk=idx_bk)
     b, h, _ = q_bhd.shape
@@ -82,6 +83,7 @@ def sparse_prefill(q_bchd: jax.Array, window, window_start_bc: jax.Array, window
 
 def _sparse_prefill(q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale, *, entries_len_bc,
                     idx_bck, kernels):
+    kernels = reads_records(kernels, window, entries)
     args = (q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale)
     kw = dict(entries_len_bc=entries_len_bc, idx_bck=idx_bck)
     b, c, h, _ = q_bchd.shape
