@@ -9,7 +9,8 @@ index (`dsjax.checkpoint.synthetic`).
 preset's, cut or extended with its last layer kind. A DeepSeek-V4.1 preset (`tiny-v4.1`, `v4.1-flash`) is
 written in its release layout (`write_synthetic_v41`: DSpark and image-encoder tensors included) with its
 whole layer schedule, or `--layers L0,L1,...` of its layers in their roles (as `dsjax bench` slices it); the
-tiny one with its word-level tokenizer.json, the full one with DeepSeek's.
+tiny one with its word-level tokenizer.json (V4.1's special tokens added, for `dsjax generate`), the full one
+with DeepSeek's.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _v41(args, t: float) -> int:
         cfg = cfg.replace(n_routed_experts=args.experts)
     tokenizer = None
     if cfg.vocab_size == 256:
-        tokenizer = word_level_tokenizer(tiny_v41_vocabulary())
+        tokenizer = word_level_tokenizer(tiny_v41_vocabulary(), special_token_strings())
     elif cfg.vocab_size >= 129280:  # DeepSeek's tokenizer, given V4.1's special tokens
         import json
 

@@ -147,10 +147,21 @@ def write_synthetic_v41(folder: str | os.PathLike, cfg, max_shard_bytes: int = 4
     return weight_map
 
 
-def word_level_tokenizer(vocabulary: list[str]) -> dict:
+def word_level_tokenizer(vocabulary: list[str], specials: list[str] = ()) -> dict:
     """A `tokenizer.json` dict of a word-level tokenizer whose ids are `vocabulary`'s indices (the tiny V4.1
-    preset's; Engram derives its compressed ids from it)."""
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+    preset's; Engram derives its compressed ids from it). `specials` (a prompt format's special tokens,
+    `training.tokenizer.special_token_strings()`) become added tokens, so that deepseek-recipe can render
+    prompts with it: those the vocabulary lacks take the ids of its last `<tokN>` placeholders."""
+    vocabulary = list(vocabulary)
+    placeholders = [i for i, t in enumerate(vocabulary) if t.startswith("<tok") and t[4:-1].isdigit()]
+    missing = [t for t in specials if t not in vocabulary]
+    if len(missing) > len(placeholders):
+        raise ValueError(f"{len(missing)} special tokens need placeholders, the vocabulary has {len(placeholders)}")
+    for t in missing:
+        vocabulary[placeholders.pop()] = t
+    added = [{"id": vocabulary.index(t), "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for t in specials]
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
             "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
             "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(vocabulary)},
                       "unk_token": vocabulary[-2]}}
