@@ -482,11 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_args(gen)
     gen.set_defaults(func=_generate)
     conv = sub.add_parser("convert", parents=[shared],
-                          help="a DeepSeek-V4 safetensors checkpoint → dsjax's sharded Orbax layout "
+                          help="a DeepSeek-V4 or V4.1 safetensors checkpoint → dsjax's sharded Orbax layout "
                           "(or back with --to-hf)", description="Convert SRC (config.json, safetensors shards "
-                          "in any naming, index, tokenizer files) into an Orbax checkpoint at DST laid out for "
-                          "dsjax. Streams with bounded memory; DST appears only when complete; an interrupted "
-                          "run resumes when re-run with the same arguments. See docs/convert.md.")
+                          "of DeepSeek-V4 in any naming or of DeepSeek-V4.1 in the release's, index, tokenizer "
+                          "files) into an Orbax checkpoint at DST laid out for dsjax. Streams with bounded memory; DST appears only "
+                          "when complete; an interrupted run resumes when re-run with the same arguments. See "
+                          "docs/convert.md.")
     conv.add_argument("src", help="checkpoint folder to read")
     conv.add_argument("dst", help="folder to create (must not exist)")
     add_run_args(conv, ("weights", "mesh"), helps={

@@ -1,5 +1,7 @@
-"""`convert`: a DeepSeek-V4 safetensors folder (any naming load_model accepts) → a dsjax Orbax checkpoint
-(layout in converted.py), and `to_hf`: the way back to original-name safetensors shards.
+"""`convert`: a DeepSeek-V4 safetensors folder (any naming load_model accepts) or a DeepSeek-V4.1 release
+folder → a dsjax Orbax checkpoint (layout in converted.py), and `to_hf`: the way back to original-name
+safetensors shards. What differs between the two families (config, targets, placing a tensor, names) comes
+from `family.py`.
 
 The conversion first checks every header against the config (names, shapes, dtypes, scales, the index,
 file sizes), so a bad checkpoint fails in seconds and before anything is written. It then streams:
@@ -27,14 +29,12 @@ from orbax.checkpoint import v1 as ocp
 from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import PartialSaveReplacementError
 
 from dsjax.checkpoint import converted as layout
-from dsjax.checkpoint.load import check_complete, check_scales_declared, place
-from dsjax.checkpoint.stored import pair_scales
-from dsjax.checkpoint.targets import Target, abstract_model
+from dsjax.checkpoint.family import Family, family_of
 from dsjax.checkpoint.safetensors_io import (CheckpointError, TensorRef, checkpoint_files, read_header,
-                                             read_tensor, tensor_dtype)
-from dsjax.checkpoint.save import hf_value, original_names
+                                             read_json, read_tensor, tensor_dtype)
 from dsjax.checkpoint.shards import StreamingShards
-from dsjax.config import ModelConfig
+from dsjax.checkpoint.stored import check_scales_declared, pair_scales
+from dsjax.checkpoint.targets import Target
 from dsjax.run_config import WEIGHTS, check_choice
 
 _BLOCK_BYTES = 256 << 20  # no array is larger: big tensors are stored in blocks of rows (experts)
@@ -62,16 +62,17 @@ class Plan:
     """Everything known before reading a byte of tensor data."""
 
     src: str
+    family: Family
     raw_config: dict
-    stored: ModelConfig  # as the source declares it
-    cfg: ModelConfig  # as converted (no quantization for weights="bf16")
+    stored: object  # the config as the source declares it (ModelConfig, V41Config)
+    cfg: object  # as converted (no quantization for weights="bf16")
     weights: str
     expert_block: int
     targets: dict[str, Target]
     items: list[Item]
     pieces: dict[str, layout.Piece]
     rows: dict[str, int]  # HF name → rows per block, for tensors stored in blocks along their first axis
-    dropped: list[str] = field(default_factory=list)  # MTP weights (unused, as by the reference)
+    dropped: list[str] = field(default_factory=list)  # V4's MTP weights (unused, as by the reference)
 
 
 class _Sink:
@@ -153,7 +154,7 @@ class _Blocks:
 
 def _stored_dtype(t: Target, source_dtype) -> np.dtype:
     """Quantized storage as the config says; everything else as the source has it (lossless)."""
-    return t.dtype if t.quantized or t.hf.endswith("_scale_inv") else np.dtype(source_dtype)
+    return t.dtype if t.quantized or t.scale else np.dtype(source_dtype)
 
 
 def _fake(ref: TensorRef) -> np.ndarray:
@@ -164,7 +165,7 @@ def _fake(ref: TensorRef) -> np.ndarray:
     return np.broadcast_to(one, ref.shape)
 
 
-def _expert_block(cfg: ModelConfig, targets: dict[str, Target], ep: int) -> int:
+def _expert_block(cfg, targets: dict[str, Target], ep: int) -> int:
     e = cfg.n_routed_experts
     if e % ep:
         raise ValueError(f"the expert axis ({ep}) must divide n_routed_experts ({e})")
@@ -185,14 +186,17 @@ def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
     if not os.path.isdir(src):
         raise CheckpointError(f"{src} is not a folder")
     cfg_path = os.path.join(src, "config.json")
+    family = None
     try:
         with open(cfg_path) as f:
             raw = json.load(f)
-        stored = ModelConfig.from_hf(raw)
+        family = family_of(raw)
+        stored = family.config(raw)
     except FileNotFoundError:
         raise CheckpointError(f"{src} has no config.json") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{cfg_path}: not a DeepSeek-V4 config ({type(e).__name__}: {e})") from None
+        what = family.name if family else "DeepSeek-V4"
+        raise CheckpointError(f"{cfg_path}: not a {what} config ({type(e).__name__}: {e})") from None
 
     refs: dict[str, tuple[str, tuple[TensorRef, int]]] = {}
     for path in checkpoint_files(src):
@@ -207,7 +211,7 @@ def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
 
     # Checks run against the stored (quantized) layout, where nothing is dequantized; weights="bf16"
     # then maps its arrays to their float form.
-    keep_targets = abstract_model(stored)[2]
+    keep_targets = family.targets(stored)
     block = _expert_block(stored, keep_targets, ep)
     store, filled, items, dropped = _Store(block), set(), [], []
     order = sorted(tensors, key=lambda n: (tensors[n][0], tensors[n][1][0].begin))
@@ -216,22 +220,23 @@ def plan(src: str | os.PathLike, weights: str = "keep", ep: int = 1) -> Plan:
         scale = scales.get(name)
         fake_scale = (scale[0], scale[1], _fake(scale[2][0])) if scale else None
         store.touched, store.context = set(), (name, file)
-        place(stored, stored, name, file, _fake(ref), fake_scale, keep_targets, store, filled)
+        family.place(stored, stored, name, file, _fake(ref), fake_scale, keep_targets, store, filled)
         if not store.touched:
             dropped.append(name)
             continue
         items.append(Item(name, ref, start, scale[2] if scale else None, tuple(sorted(store.touched))))
-    check_complete(src, stored, keep_targets, filled)
+    family.check_complete(src, stored, keep_targets, filled)
     pieces = {k: layout.Piece(k, *layout.split_key(k), a.shape, a.dtype) for k, a in store.arrays.items()}
 
     cfg, targets = stored, keep_targets
     if weights == "bf16" and stored.quantization is not None:
         cfg = stored.replace(quantization=None)
-        targets = abstract_model(cfg)[2]
-        pieces = {k: _as_float(p, keep_targets[p.hf].quantized, targets) for k, p in pieces.items()
-                  if p.hf in targets}
+        targets = family.targets(cfg)
+        # Scales go; weights kept beside the model (no target of either config) stay as stored.
+        pieces = {k: _as_float(p, keep_targets[p.hf].quantized, targets) if p.hf in keep_targets else p
+                  for k, p in pieces.items() if p.hf in targets or p.hf not in keep_targets}
         items = [Item(i.name, i.ref, i.start, i.scale, tuple(k for k in i.pieces if k in pieces)) for i in items]
-    return Plan(src, raw, stored, cfg, weights, block, targets, items, pieces, store.rows, dropped)
+    return Plan(src, family, raw, stored, cfg, weights, block, targets, items, pieces, store.rows, dropped)
 
 
 def _as_float(p: layout.Piece, quantized: bool, targets: dict[str, Target]) -> layout.Piece:
@@ -280,7 +285,8 @@ def stream(plan: Plan, on_array: Callable[[str, np.ndarray], None], skip: set[st
             value = read_tensor(item.ref, item.start)
             scale = (item.scale[0].name, item.scale[0].file, read_tensor(*item.scale)) if item.scale else None
             store.touched, store.context = set(), (item.name, item.ref.file)
-            place(plan.stored, plan.cfg, item.name, item.ref.file, value, scale, plan.targets, store, filled)
+            plan.family.place(plan.stored, plan.cfg, item.name, item.ref.file, value, scale, plan.targets, store,
+                              filled)
             del value, scale  # drop the memory maps: their pages stop counting once unmapped
             for key in sorted(store.touched):
                 if key in store.arrays and _complete(plan, key, filled):
@@ -470,9 +476,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, weights: str = "keep
 
     for name in _extra_files(the_plan.src):
         shutil.copy2(os.path.join(the_plan.src, name), os.path.join(work, name))
-    config = dict(the_plan.raw_config)
+    config = json.loads(json.dumps(the_plan.raw_config))
     if the_plan.cfg.quantization is None:
-        config.pop("quantization_config", None)
+        for level in (config, config.get("text_config")):  # V4.1 may declare it in either
+            if isinstance(level, dict):
+                level.pop("quantization_config", None)
     with open(os.path.join(work, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     manifest = {"format": layout.FORMAT, "version": layout.VERSION, "weights": weights,
@@ -494,7 +502,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, weights: str = "keep
 def verify_against_source(folder: str, the_plan: Plan, progress: bool = True) -> None:
     """Rebuild every array of the converted checkpoint in `folder` from the source and compare its sha256
     with the manifest's, then read every array back from the Orbax checkpoint and compare again (two
-    passes, so that memory holds one array at a time)."""
+    passes, so that memory holds one batch of arrays at a time)."""
     man = layout.read_manifest(folder)
     listed = man["pieces"]
     missing = sorted(set(the_plan.pieces) - set(listed))
@@ -511,13 +519,29 @@ def verify_against_source(folder: str, the_plan: Plan, progress: bool = True) ->
     stream(the_plan, check_source, on_bytes=bar.update)
     pieces = layout.pieces_of(man)
     params = os.path.join(folder, layout.PARAMS)
-    for key in sorted(the_plan.pieces):
-        got = sha256(layout.read_pieces(params, [pieces[key]])[key])
-        if got != listed[key]["sha256"]:
-            raise CheckpointError(f"{folder}: array {key!r} differs from the source (sha256 {got[:12]} "
-                                  f"read back, {listed[key]['sha256'][:12]} from the source)")
-        bar.update(pieces[key].nbytes)
+    for batch in _batches([pieces[key] for key in sorted(the_plan.pieces)]):
+        values = layout.read_pieces(params, batch)
+        for p in batch:
+            got = sha256(values.pop(p.key))
+            if got != listed[p.key]["sha256"]:
+                raise CheckpointError(f"{folder}: array {p.key!r} differs from the source (sha256 {got[:12]} "
+                                      f"read back, {listed[p.key]['sha256'][:12]} from the source)")
+            bar.update(p.nbytes)
     bar.close()
+
+
+def _batches(pieces: list[layout.Piece]):
+    """`pieces` in order, in batches of at most _FLUSH_BYTES (or one larger piece): one Orbax read each."""
+    batch: list[layout.Piece] = []
+    size = 0
+    for p in pieces:
+        if batch and size + p.nbytes > _FLUSH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        size += p.nbytes
+    if batch:
+        yield batch
 
 
 def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int | None = None,
@@ -532,18 +556,17 @@ def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int |
     if not layout.is_converted(src):
         raise CheckpointError(f"{src} is not a converted dsjax checkpoint (no {layout.MANIFEST})")
     man = layout.read_manifest(src)
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = ModelConfig.from_hf(json.load(f))
+    raw = read_json(os.path.join(src, "config.json"), "config")
+    family = family_of(raw)
+    cfg = family.config(raw)
     pieces = layout.pieces_of(man)
     order = sorted(pieces.values(), key=lambda p: (layout.unit_of(p.key) == -1, layout.unit_of(p.key), p.hf,
                                                    p.first or 0))  # layers, then embedding, norm and head
-    float_experts = cfg.quantization is None
 
     def originals(p: layout.Piece, value: np.ndarray):
         """(original name, data) for one array: the per-expert tensors of an expert block; else the
         tensor, or the rows of it that a block holds (the writer appends them)."""
-        hf_named = [(p.hf, hf_value(p.hf, value, float_experts))]
-        yield from original_names(cfg, hf_named, first_expert=p.first if layout.is_expert(p.hf) else 0)
+        yield from family.originals(cfg, p.hf, value, p.first if layout.is_expert(p.hf) else 0)
 
     full_rows = {}
     for p in pieces.values():
@@ -565,22 +588,12 @@ def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int |
     params = os.path.join(src, layout.PARAMS)
     total = sum(p.nbytes for p in pieces.values())
     bar = _progress(total, "to-hf", progress)
-    batch: list[layout.Piece] = []
-
-    def write(batch):
+    for batch in _batches(order):
         values = layout.read_pieces(params, batch)
         for p in batch:
             for name, v in originals(p, np.asarray(values.pop(p.key))):
                 writer.write(name, v)
             bar.update(p.nbytes)
-
-    for p in order:
-        if batch and sum(x.nbytes for x in batch) + p.nbytes > _FLUSH_BYTES:
-            write(batch)
-            batch = []
-        batch.append(p)
-    if batch:
-        write(batch)
     writer.close()
     bar.close()
     for name in _extra_files(src):

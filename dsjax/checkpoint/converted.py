@@ -4,9 +4,11 @@
     DST/dsjax_checkpoint.json            format, conversion options, every array's shape, dtype, sha256
     DST/params/                          one Orbax checkpoint (OCDBT, zarr3, uncompressed)
 
-The Orbax tree is dsjax's parameter tree with the layers unstacked: a leaf per HF name
-(`model.layers.3.self_attn.q_a_proj.weight`, `…weight_scale_inv`), the merged routed experts split
-into blocks of consecutive experts keyed by the first one (`model.layers.3.mlp.experts.gate_up_proj.0`,
+The Orbax tree is dsjax's parameter tree with the layers unstacked: a leaf per tensor, keyed by its HF
+name for DeepSeek-V4 (`model.layers.3.self_attn.q_a_proj.weight`, `…weight_scale_inv`) and by its dsjax
+path for DeepSeek-V4.1 (`layers.3.attn.q_a_proj.weight`, `layers.1.engram.table_scale`; the weights it
+keeps beside the model under their release names, `mtp.0.attn.wq_a.weight`). The merged routed experts
+are split into blocks of consecutive experts keyed by the first one (`model.layers.3.mlp.experts.gate_up_proj.0`,
 `….gate_up_proj.64`), so that no array is ever larger than a block and an expert-parallel device reads
 only its blocks. Arrays keep the dtypes the source stored (bf16, fp32, FP8 e4m3, FP4 as int8, ue8m0
 scales as uint8, int64 hash tables); only float experts change orientation, to dsjax's [E, in, out].
@@ -25,6 +27,7 @@ from orbax.checkpoint import v1 as ocp
 
 from dsjax.checkpoint.targets import abstract_model
 from dsjax.checkpoint.names import TRANSPOSED_LEAVES
+from dsjax.checkpoint.names_v41 import MERGED_EXPERTS
 from dsjax.checkpoint.safetensors_io import CheckpointError, read_json
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
@@ -50,8 +53,12 @@ class Piece:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
+_EXPERTS = tuple(x + s for x in TRANSPOSED_LEAVES + MERGED_EXPERTS for s in ("", "_scale_inv"))
+
+
 def is_expert(hf: str) -> bool:
-    return hf.endswith(TRANSPOSED_LEAVES) or hf.endswith(tuple(x + "_scale_inv" for x in TRANSPOSED_LEAVES))
+    """A merged routed-expert tensor (V4 or V4.1) or its scales: stored in blocks of experts."""
+    return hf.endswith(_EXPERTS)
 
 
 def piece_key(hf: str, first: int | None) -> str:
@@ -65,9 +72,11 @@ def split_key(key: str) -> tuple[str, int | None]:
 
 
 def unit_of(key: str) -> int:
-    """The layer a piece belongs to; -1 for embedding, head and final norms."""
+    """The layer a piece belongs to; -1 for embedding, head, final norms and kept weights."""
     parts = key.split(".")
-    return int(parts[2]) if parts[:2] == ["model", "layers"] else -1
+    if parts[:2] == ["model", "layers"]:
+        return int(parts[2])
+    return int(parts[1]) if parts[0] == "layers" else -1
 
 
 def nest(flat: dict[str, object]) -> dict:
@@ -134,9 +143,7 @@ def read_pieces(params: str, pieces: list[Piece], sharding=None) -> dict[str, np
 
 def load_converted(folder: str, dtype=jnp.float32, weights: str = "keep", mesh=None) -> DeepseekV4:
     """A DeepseekV4 from a converted checkpoint, placed on `mesh` by `dsjax.parallel.rules` (None: the
-    first device). Arrays are read a few at a time, layer by layer, and each device receives only its
-    slice of each, written into its own buffer: the host never holds more than a batch of arrays, no
-    device more than its share, and a process reads only the arrays its devices need."""
+    first device); see `fill`."""
     from dsjax.quantize import dequantize_model
 
     man = read_manifest(folder)
@@ -144,9 +151,17 @@ def load_converted(folder: str, dtype=jnp.float32, weights: str = "keep", mesh=N
     if weights == "bf16" and stored.quantization is not None:
         return dequantize_model(load_converted(folder, dtype, "keep", mesh), dtype)
     graphdef, flat, targets = abstract_model(stored, dtype)
+    fill(folder, pieces_of(man), flat, targets, mesh)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def fill(folder: str, pieces: dict[str, Piece], flat: list, targets: dict, mesh=None) -> None:
+    """Set the variables of `flat` (an abstract state) that `targets` name from the converted checkpoint's
+    `pieces`, which must cover them exactly. Arrays are read a few at a time, layer by layer, and each
+    device receives only its slice of each, written into its own buffer: the host never holds more than a
+    batch of arrays, no device more than its share, and a process reads only the arrays its devices need."""
     variables = dict(flat)
-    pieces = pieces_of(man)
-    _check_covers(folder, stored, targets, pieces)
+    _check_covers(folder, targets, pieces)
     params = os.path.join(folder, PARAMS)
 
     placed: dict[tuple, _Placed] = {}
@@ -175,7 +190,29 @@ def load_converted(folder: str, dtype=jnp.float32, weights: str = "keep", mesh=N
                 placement(t.path).put(_region(t, pieces[key]), value)
     for path, pl in placed.items():
         variables[path].set_value(pl.array())
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def read_whole(folder: str, pieces: list[Piece]) -> dict[str, np.ndarray]:
+    """Host arrays of the tensors `pieces` hold (row blocks joined), by name."""
+    params = os.path.join(folder, PARAMS)
+    parts: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for batch in _batches(pieces):
+        for key, value in read_pieces(params, batch).items():
+            hf, first = split_key(key)
+            parts.setdefault(hf, []).append((first, value))
+    out = {}
+    for hf, blocks in parts.items():
+        if len(blocks) == 1 and blocks[0][0] is None:
+            out[hf] = blocks[0][1]
+            continue
+        blocks.sort(key=lambda b: -1 if b[0] is None else b[0])
+        at = 0
+        for first, value in blocks:
+            if first != at:
+                raise CheckpointError(f"{folder}: array {hf!r} lacks or repeats rows from {at}")
+            at += value.shape[0]
+        out[hf] = np.concatenate([v for _, v in blocks])
+    return out
 
 
 _READ_BYTES = 256 << 20
@@ -237,13 +274,13 @@ class _Placed:
 _insert = jax.jit(lambda buf, value, start: jax.lax.dynamic_update_slice(buf, value, start), donate_argnums=0)
 
 
-def _check_covers(folder: str, cfg: ModelConfig, targets: dict, pieces: dict[str, Piece]) -> None:
-    """Every variable of `cfg` is in the checkpoint exactly once (whole, or in blocks that tile its first
-    axis), with its shape, and nothing else is."""
+def _check_covers(folder: str, targets: dict, pieces: dict[str, Piece]) -> None:
+    """Every target is in the checkpoint exactly once (whole, or in blocks that tile its first axis), with
+    its shape, and nothing else is."""
     spans: dict[str, list[tuple[int, int]]] = {}
     for p in pieces.values():
         if p.hf not in targets:
-            raise CheckpointError(f"{folder}: array {p.key!r} belongs to no DeepSeek-V4 parameter of its config")
+            raise CheckpointError(f"{folder}: array {p.key!r} belongs to no parameter of its config")
         t = targets[p.hf]
         want = t.shape if p.first is None else (p.shape[0],) + t.shape[1:]
         if p.shape != want:

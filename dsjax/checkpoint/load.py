@@ -1,5 +1,5 @@
 """`load_model`: a Hugging Face DeepSeek-V4 folder (any of the three namings, single or sharded) → DeepseekV4;
-a DeepSeek-V4.1 release folder → DeepseekV41 (`load_v41`)."""
+a DeepSeek-V4.1 release folder, or its `dsjax convert` output, → DeepseekV41 (`load_v41`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from flax import nnx
 
 from dsjax.checkpoint import converted, load_v41, names
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
-from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, np_dtype, pair_scales,
-                                     put_expert_dense, put_expert_stored, stored_scale, stored_weight)
+from dsjax.checkpoint.stored import (check_kind, check_scales_declared, check_shape, dense_values, np_dtype,
+                                     pair_scales, put_expert_dense, put_expert_stored, stored_scale, stored_weight)
 from dsjax.checkpoint.targets import Target, abstract_model
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
@@ -35,6 +35,7 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     by `dsjax convert` (Orbax) is read layer by layer straight onto the devices: onto `mesh` (a
     jax Mesh with axes dp/ep/tp, or a spec such as "ep=8", see `dsjax.parallel`) each device receiving only
     its slice of each array; a safetensors folder is loaded onto one device and then placed on `mesh`.
+    DeepSeek-V4.1 (either kind of folder) loads onto one device so far.
     """
     check_choice("weights", weights, WEIGHTS)
     folder = os.fspath(path)
@@ -47,9 +48,10 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     if dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dtype must be jnp.float32 or jnp.bfloat16, got {dtype}")
     if load_v41.is_v41_folder(folder):
-        if mesh is not None or converted.is_converted(folder):
-            raise CheckpointError(f"{folder}: DeepSeek-V4.1 loads on one device from the release's safetensors "
-                                  "layout so far (no mesh, no `dsjax convert` output)")
+        if mesh is not None:
+            raise CheckpointError(f"{folder}: DeepSeek-V4.1 loads on one device so far (no mesh)")
+        if converted.is_converted(folder):
+            return load_v41.load_converted_v41(folder, dtype, weights)
         return load_v41.load_v41(folder, cfg_path, dtype, weights)
     if isinstance(mesh, str):
         from dsjax.parallel.mesh import make_mesh
@@ -86,14 +88,6 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
         variables[p].set_value(jnp.asarray(arr))
         arrays[p] = None  # free the host copy as soon as it is on the device
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def check_scales_declared(stored: ModelConfig, scales: dict, cfg_path: str) -> None:
-    """Scale tensors need a `quantization_config` that says how to read them."""
-    if scales and stored.quantization is None:
-        weight, (name, file, _) = next(iter(scales.items()))
-        raise CheckpointError(f"{file}: {name!r} scales {weight!r}, but {cfg_path} declares no "
-                              "quantization_config")
 
 
 def check_complete(folder: str, cfg: ModelConfig, targets: dict, filled: set) -> None:

@@ -8,103 +8,79 @@ import json
 import os
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dsjax.checkpoint import names_v41
-from dsjax.checkpoint.stored import (check_kind, check_shape, dense_values, np_dtype, pair_scales,
-                                     put_expert_dense, put_expert_stored, stored_scale, stored_weight)
+from dsjax.checkpoint import converted, names_v41
+from dsjax.checkpoint.names_v41 import scale_path
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors, read_json
+from dsjax.checkpoint.save_v41 import release_tensors
+from dsjax.checkpoint.stored import (check_kind, check_scales_declared, check_shape, dense_values, pair_scales,
+                                     put_expert_dense, put_expert_stored, stored_scale, stored_weight)
+from dsjax.checkpoint.targets import Target, abstract_model_v41, kept_target
 from dsjax.config_v41 import V41Config
 from dsjax.engram_hash import EngramHasher, tokenizer_token_map
 from dsjax.layers.ngram_hash import NgramHash, default_token_map
 from dsjax.model_v41 import DeepseekV41
 from dsjax.quant import dequantize_fp8
 
-_QUANTIZED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))
-
-
-
-def scale_path(path: str) -> str:
-    """The dsjax variable holding the scales of the quantized variable `path`."""
-    if path.endswith(".table"):
-        return path + "_scale"
-    if path.endswith(".weight"):
-        return path + "_scale_inv"
-    return path + "_scale_inv"  # merged experts: gate_up_proj_scale_inv, down_proj_scale_inv
-
-
-def abstract_v41(cfg: V41Config, dtype, token_map=None) -> tuple[nnx.GraphDef, list, dict]:
-    """(graphdef, flat state of ShapeDtypeStructs, dotted path → variable) of a `cfg` model."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(0), dtype=dtype,
-                                                                   token_map=token_map)))
-    flat = list(nnx.to_flat_state(state))
-    return graphdef, flat, {".".join(str(p) for p in path): var for path, var in flat}
-
 
 def load_v41(folder: str, cfg_path: str, dtype=jnp.float32, weights: str = "keep") -> DeepseekV41:
     """A DeepseekV41 from a release-layout folder (see `dsjax.load_model`, which calls this for V4.1
     configs). Tensors of parts dsjax does not run yet (`names_v41.KEPT_PREFIXES`: DSpark's `mtp.*`, the
     image encoder) are kept as host arrays in `model.kept_weights`."""
-    stored = V41Config.from_hf(cfg_path)
+    return _from_tensors(folder, V41Config.from_hf(cfg_path), iter_tensors(folder), cfg_path, dtype, weights)
+
+
+def _from_tensors(folder: str, stored: V41Config, tensors, cfg_path: str, dtype, weights: str) -> DeepseekV41:
+    """A DeepseekV41 from release tensors `(name, file, value)` of a checkpoint declaring `stored`."""
     cfg = stored if weights == "keep" else stored.replace(quantization=None)
-    token_map = token_map_of(folder, cfg)
-    if token_map is None:
-        token_map = default_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size)
-    graphdef, flat, variables = abstract_v41(cfg, dtype, token_map)
+    token_map = _token_map(folder, cfg)
+    graphdef, flat, targets = abstract_model_v41(cfg, dtype, token_map)
     arrays: dict[str, np.ndarray] = {}
-    filled: set = set()
     kept: dict[str, np.ndarray] = {}
+    filled: set = set()
 
-    def dest(path: str) -> np.ndarray:
-        if path not in arrays:
-            sds = variables[path].get_value()
-            arrays[path] = np.zeros(sds.shape, np_dtype(sds.dtype))
-        return arrays[path]
+    def dest(t: Target, _source_dtype) -> np.ndarray:
+        if t.path is None:
+            kept[t.hf] = np.empty(t.shape, t.dtype)
+            return kept[t.hf]
+        if t.hf not in arrays:
+            arrays[t.hf] = np.zeros(t.shape, t.dtype)
+        return arrays[t.hf]
 
-    tensors, scales = pair_scales({name: (file, value) for name, file, value in iter_tensors(folder)})
-    if scales and stored.quantization is None:
-        weight, (name, file, _) = next(iter(scales.items()))
-        raise CheckpointError(f"{file}: {name!r} scales {weight!r}, but {cfg_path} declares no quantization_config")
+    tensors, scales = pair_scales({name: (file, value) for name, file, value in tensors})
+    check_scales_declared(stored, scales, cfg_path)
     for name, (file, value) in tensors.items():
-        if names_v41.is_kept(name):
-            kept[name] = np.asarray(value)
-            if name in scales:
-                kept[scales[name][0]] = np.asarray(scales[name][2])
-            continue
-        target = names_v41.to_dsjax(name)
-        if target is None or (not isinstance(target, names_v41.ExpertPart) and target not in variables):
-            raise CheckpointError(f"{file}: unexpected tensor {name!r}; it belongs to no DeepSeek-V4.1 parameter "
-                                  "of this config")
-        if isinstance(target, names_v41.ExpertPart):
-            _put_expert(stored, name, file, value, scales.get(name), target, variables, dest, filled)
-            continue
-        if target in filled:
-            raise CheckpointError(f"{file}: tensor {name!r} appears twice")
-        want = variables[target].get_value()
-        if np.dtype(want.dtype) in _QUANTIZED:
-            check_shape(file, name, value, want.shape)
-            dest(target)[...] = stored_weight(file, name, value, scales.get(name), np.dtype(want.dtype))
-            sp = scale_path(target)
-            sc = scales[name]
-            check_shape(sc[1], sc[0], sc[2], variables[sp].get_value().shape)
-            dest(sp)[...] = stored_scale(sc, np.dtype(variables[sp].get_value().dtype))
-            filled.add(sp)
-        else:
-            value = _dense_v41(stored, file, name, value, scales.get(name))
-            check_shape(file, name, value, want.shape)
-            check_kind(file, name, value, np.dtype(want.dtype))
-            dest(target)[...] = value
-        filled.add(target)
-    missing = sorted(p for p in set(variables) - filled if not p.startswith(DERIVED))
-    if missing:
-        shown = [_release_name(p) for p in missing[:8]]
-        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): {', '.join(shown)}{more}")
-    for path, arr in arrays.items():
-        variables[path].set_value(jnp.asarray(arr))
-        arrays[path] = None
+        place_v41(stored, cfg, name, file, value, scales.get(name), targets, dest, filled)
+    check_complete_v41(folder, cfg, targets, filled)
+    variables = dict(flat)
+    for key, arr in arrays.items():
+        variables[targets[key].path].set_value(jnp.asarray(arr))
+        arrays[key] = None  # free the host copy as soon as it is on the device
+    return _finish(graphdef, flat, cfg, token_map, kept)
+
+
+def load_converted_v41(folder: str, dtype=jnp.float32, weights: str = "keep") -> DeepseekV41:
+    """A DeepseekV41 from a `dsjax convert` folder (`converted.py`'s layout, keyed by dsjax path; the kept
+    weights by release name), on one device. `weights="bf16"` over FP8/FP4 storage dequantizes as
+    `load_v41` does, from the release tensors the stored arrays are."""
+    man = converted.read_manifest(folder)
+    cfg_path = os.path.join(folder, "config.json")
+    stored = V41Config.from_hf(cfg_path)
+    if weights == "bf16" and stored.quantization is not None:
+        keep = load_converted_v41(folder, dtype, "keep")
+        return _from_tensors(folder, stored, ((n, folder, v) for n, v in release_tensors(keep)), cfg_path, dtype,
+                             weights)
+    token_map = _token_map(folder, stored)
+    graphdef, flat, targets = abstract_model_v41(stored, dtype, token_map)
+    pieces = converted.pieces_of(man)
+    kept = {k: p for k, p in pieces.items() if names_v41.is_kept(p.hf)}
+    converted.fill(folder, {k: p for k, p in pieces.items() if k not in kept}, flat, targets)
+    return _finish(graphdef, flat, stored, token_map, converted.read_whole(folder, list(kept.values())))
+
+
+def _finish(graphdef, flat, cfg: V41Config, token_map: np.ndarray, kept: dict) -> DeepseekV41:
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     if cfg.engram_layer_ids:  # the hash tables come from the tokenizer, not the checkpoint
         model.ngram_hash = NgramHash(EngramHasher.from_config(cfg, token_map))
@@ -112,7 +88,56 @@ def load_v41(folder: str, cfg_path: str, dtype=jnp.float32, weights: str = "keep
     return model
 
 
-DERIVED = ("ngram_hash.",)  # variables computed from the tokenizer, not read from the checkpoint
+def place_v41(stored: V41Config, cfg: V41Config, name: str, file: str, value: np.ndarray, scale, targets: dict,
+              dest, filled: set) -> None:
+    """Check one release tensor (with its scale, if quantized) and write it where it belongs; the V4.1 form of
+    `load.place`, with the same `dest(target, source_dtype)` and `filled` (dsjax paths, and (path, expert,
+    part) for per-expert tensors). A tensor of a part dsjax does not run is written to a `kept_target`."""
+    if names_v41.is_kept(name):
+        for n, f, v in ((name, file, value),) + ((scale,) if scale is not None else ()):
+            if n in filled:
+                raise CheckpointError(f"{f}: tensor {n!r} appears twice")
+            dest(kept_target(n, v.shape, v.dtype), v.dtype)[...] = v
+            filled.add(n)
+        return
+    path = names_v41.to_dsjax(name)
+    if isinstance(path, names_v41.ExpertPart):
+        _put_expert(stored, name, file, value, scale, path, targets, dest, filled)
+        return
+    t = targets.get(path)
+    if t is None:
+        raise CheckpointError(f"{file}: unexpected tensor {name!r}; it belongs to no DeepSeek-V4.1 parameter "
+                              "of this config")
+    if path in filled:
+        raise CheckpointError(f"{file}: tensor {name!r} appears twice")
+    if t.quantized:
+        check_shape(file, name, value, t.shape)
+        dest(t, value.dtype)[...] = stored_weight(file, name, value, scale, t.dtype)
+        st = targets[scale_path(path)]
+        check_shape(scale[1], scale[0], scale[2], st.shape)
+        dest(st, scale[2].dtype)[...] = stored_scale(scale, st.dtype)
+        filled.add(st.hf)
+    else:
+        source_dtype = value.dtype
+        value = _dense_v41(stored, file, name, value, scale)
+        check_shape(file, name, value, t.shape)
+        check_kind(file, name, value, t.dtype)
+        dest(t, source_dtype)[...] = value
+    filled.add(path)
+
+
+def check_complete_v41(folder: str, cfg: V41Config, targets: dict, filled: set) -> None:
+    """Raise naming, in release names, the tensors `filled` lacks."""
+    missing = sorted(set(targets) - filled)
+    if missing:
+        shown = [_release_name(p) for p in missing[:8]]
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise CheckpointError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): {', '.join(shown)}{more}")
+
+
+def _token_map(folder: str, cfg: V41Config) -> np.ndarray:
+    token_map = token_map_of(folder, cfg)
+    return default_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size) if token_map is None else token_map
 
 
 def token_map_of(folder: str, cfg: V41Config) -> np.ndarray | None:
@@ -160,32 +185,32 @@ def _dense_v41(stored: V41Config, file, name, value, scale) -> np.ndarray:
     return np.asarray(dense_values(stored, file, name, value, scale))
 
 
-def _put_expert(stored: V41Config, name, file, value, scale, t: names_v41.ExpertPart, variables, dest,
+def _put_expert(stored: V41Config, name, file, value, scale, part: names_v41.ExpertPart, targets, dest,
                 filled) -> None:
-    if t.path not in variables:
+    t = targets.get(part.path)
+    if t is None:
         raise CheckpointError(f"{file}: unexpected tensor {name!r}; its layer does not exist in this config")
     e, inter, hidden = stored.n_routed_experts, stored.moe_intermediate_size, stored.hidden_size
-    if not 0 <= t.expert < e:
-        raise CheckpointError(f"{file}: tensor {name!r} names expert {t.expert}, but the config has {e}")
-    key = (t.path, t.expert, t.part)
+    if not 0 <= part.expert < e:
+        raise CheckpointError(f"{file}: tensor {name!r} names expert {part.expert}, but the config has {e}")
+    key = (t.hf, part.expert, part.part)
     if key in filled:
         raise CheckpointError(f"{file}: tensor {name!r} appears twice")
-    want = variables[t.path].get_value()
-    if np.dtype(want.dtype) in _QUANTIZED:  # kept as stored: [2I, in'] rows [w1 | w3], and so its scale rows
-        sp = scale_path(t.path)
-        put_expert_stored(t.part, dest(t.path)[t.expert], dest(sp)[t.expert],
-                          stored_weight(file, name, value, scale, np.dtype(want.dtype)),
-                          stored_scale(scale, np.dtype(variables[sp].get_value().dtype)), (name, file),
-                          (scale[0], scale[1]))
+    parts = ("w2",) if part.part == "w2" else ("w1", "w3")
+    done = [t.hf]
+    if t.quantized:  # kept as stored: [2I, in'] rows [w1 | w3], and so its scale rows
+        st = targets[scale_path(t.hf)]
+        weight = stored_weight(file, name, value, scale, t.dtype)
+        put_expert_stored(part.part, dest(t, value.dtype)[part.expert], dest(st, scale[2].dtype)[part.expert],
+                          weight, stored_scale(scale, st.dtype), (name, file), (scale[0], scale[1]))
+        filled.add((st.hf, part.expert, part.part))
+        done.append(st.hf)
     else:
-        put_expert_dense(t.part, dest(t.path)[t.expert], _dense_v41(stored, file, name, value, scale), name, file,
-                         inter, hidden)
+        put_expert_dense(part.part, dest(t, value.dtype)[part.expert], _dense_v41(stored, file, name, value, scale),
+                         name, file, inter, hidden)
     filled.add(key)
-    parts = ("w2",) if t.part == "w2" else ("w1", "w3")
-    if all((t.path, x, p) in filled for x in range(e) for p in parts):
-        filled.add(t.path)
-        if np.dtype(want.dtype) in _QUANTIZED:
-            filled.add(scale_path(t.path))
+    if all((t.hf, x, p) in filled for x in range(e) for p in parts):
+        filled.update(done)
 
 
 def is_v41_folder(folder: str) -> bool:

@@ -34,6 +34,12 @@ TOP = {"embed.weight": "embed_tokens.weight", "head.weight": "lm_head.weight", "
 # beside the model, never silently dropped.
 KEPT_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline", "image_pad")
 
+# dsjax variables computed from the tokenizer (Engram's hash tables): no checkpoint tensor holds them.
+DERIVED = ("ngram_hash.",)
+
+# The merged routed experts (dsjax holds one variable per layer, the release a tensor per expert).
+MERGED_EXPERTS = ("ffn.experts.gate_up_proj", "ffn.experts.down_proj")
+
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 
@@ -73,6 +79,11 @@ def to_dsjax(name: str) -> str | ExpertPart | None:
         if tail.startswith(release):
             return f"layers.{layer}.{ours}{tail[len(release):]}"
     return f"layers.{layer}.{tail}"
+
+
+def scale_path(path: str) -> str:
+    """The dsjax path of the scales of the quantized variable `path`."""
+    return path + "_scale" if path.endswith(".table") else path + "_scale_inv"
 
 
 def to_release(path: str) -> str:

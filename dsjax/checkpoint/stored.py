@@ -38,6 +38,14 @@ def pair_scales(tensors: dict):
     return tensors, scales
 
 
+def check_scales_declared(stored, scales: dict, cfg_path: str) -> None:
+    """Scale tensors need a `quantization_config` that says how to read them."""
+    if scales and stored.quantization is None:
+        weight, (name, file, _) = next(iter(scales.items()))
+        raise CheckpointError(f"{file}: {name!r} scales {weight!r}, but {cfg_path} declares no "
+                              "quantization_config")
+
+
 def check_shape(file, name, value, want) -> None:
     if tuple(value.shape) != tuple(want):
         raise CheckpointError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
