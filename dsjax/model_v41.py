@@ -95,9 +95,11 @@ class DeepseekV41(nnx.Module):
             embeds, image_bc = spliced
             x = jnp.where(image_bc[..., None], embeds.astype(x.dtype), x)
         rows, history = None, cache.history
+        if history is not None:  # a row starting a sequence has no earlier tokens, whatever its slot held before
+            history = jnp.where(((start_b == 0) & (n_valid_b > 0))[:, None], -1, history)
         if self.ngram_hash is not None:
-            rows = self.ngram_hash(tokens_bc, cache.history, ~image_bc)
-            history = self.ngram_hash.next_history(tokens_bc, cache.history, ~image_bc, n_valid_b)
+            rows = self.ngram_hash(tokens_bc, history, ~image_bc)
+            history = self.ngram_hash.next_history(tokens_bc, history, ~image_bc, n_valid_b)
         h = jnp.broadcast_to(x[:, :, None, :], (b, c, cfg.hc_mult, x.shape[-1]))
         pre = jnp.zeros((b, c, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
         shared, groups = Shared(), []

@@ -209,6 +209,20 @@ def test_packed_cache_equals_the_rounded_float_cache(model, ids):
     assert np.all(np.abs(fp8_entries - fp4_entries) <= 0.25 * amax)
 
 
+def test_a_sequence_starting_in_a_used_slot_sees_nothing_of_its_last_one(model, ids):
+    """A slot the engine hands to a new request still holds the last one's rows and Engram history; a chunk at
+    position 0 must read none of it (the history once leaked into the first tokens' n-grams, so identical
+    greedy requests in `dsjax generate` differed by the slot they got)."""
+    _, used = _cached_logits(model, ids, SCHEDULE, CHUNK)
+    assert (np.asarray(used.history) >= 0).any()
+    other = jnp.asarray(ids[::-1, 3:3 + CHUNK])
+    start, n_valid = jnp.zeros((B,), jnp.int32), jnp.full((B,), CHUNK, jnp.int32)
+    fresh_hidden, fresh = _step(model, other, init_cache(model, B, T), start, n_valid)
+    hidden, after = _step(model, other, used, start, n_valid)
+    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(fresh_hidden))
+    np.testing.assert_array_equal(np.asarray(after.history), np.asarray(fresh.history))
+
+
 def test_a_row_with_no_valid_tokens_keeps_its_cache_bit_for_bit(model, ids):
     cache = init_cache(model, B, T)
     _, cache = _step(model, jnp.asarray(ids[:, :CHUNK]), cache, jnp.zeros((B,), jnp.int32),

@@ -539,3 +539,48 @@ def test_every_program_is_compiled_before_the_first_request(tmp_path, tiny_model
     assert s["requests_ok"] == 7 and len(recs) == 7
     assert s["programs_compiled"] > 0 and s["precompile_seconds"] > 0
     assert s["programs_compiled_during_generation"] == 0
+
+
+@pytest.mark.heavy
+def test_a_v41_checkpoint_runs_the_job_in_its_own_format_with_the_packed_cache(tmp_path, capsys):
+    """A synthetic DeepSeek-V4.1 checkpoint (release layout, tiny-v4.1) through `dsjax generate` with the
+    release's packed cache: prompts in the V4.1 encoding (the prompt token counts are deepseek-recipe's); one
+    greedy request three times over two slots gives one text (the third reuses a slot: an earlier request's
+    Engram history once leaked into it); a re-run resumes with nothing left to do. (In thinking mode the recipe
+    samples at temperature 1 whatever the request says, so the greedy ones turn thinking off.)"""
+    import deepseek_recipe as dr
+
+    from dsjax.checkpoint.synthetic import word_level_tokenizer, write_synthetic_v41
+    from dsjax.config_v41 import V41Config
+    from dsjax.presets import tiny_v41_vocabulary
+    from dsjax.training.tokenizer import special_token_strings
+
+    folder = str(tmp_path / "v41")
+    write_synthetic_v41(folder, V41Config.preset("tiny-v4.1"), seed=3,
+                        tokenizer=word_level_tokenizer(tiny_v41_vocabulary(), special_token_strings()))
+    name = "DeepSeek-V4.1-Flash"
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    greedy = dict(max_tokens=8, temperature=0, thinking={"type": "disabled"})
+    lines = [{**chat(cid, messages), "body": {"model": name, "messages": messages, **kw}}
+             for cid, kw in (("a", greedy), ("b", greedy), ("c", greedy), ("d", dict(max_tokens=6, seed=5)))]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", lines), str(tmp_path / "out.jsonl")
+    argv = ["generate", "--model", folder, "--input", inp, "--output", out, "--kv-dtype", "fp4", "--slots", "2",
+            "--max-len", "256", "--chunk-size", "32", "--no-compile-cache", "--quiet"]
+    assert main(argv) == 0
+    recs = {r["custom_id"]: r for r in records(out)}
+    assert sorted(recs) == ["a", "b", "c", "d"] and all(r["error"] is None for r in recs.values())
+    with open(summary_path(out)) as f:
+        summary = json.load(f)
+    assert summary["prompt_format"] == "v4.1" and summary["config"]["run"]["kv_dtype"] == "fp4"
+    tok = dr.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    bodies = {k: r["response"]["body"] for k, r in recs.items()}
+    for line in lines:
+        conv = dr.ChatCompletionRequest(line["body"]).convert(dr.ConversionOptions())
+        want = len(dr.DeepseekV41Encoding().with_tokenizer(tok).encode(conv.conversation))
+        assert bodies[line["custom_id"]]["usage"]["prompt_tokens"] == want
+    assert bodies["d"]["usage"]["completion_tokens"] == 6
+    assert canonical(bodies["a"]["choices"]) == canonical(bodies["b"]["choices"]) == canonical(bodies["c"]["choices"])
+    before = open(out).read()
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert open(out).read() == before and "0 ok, 0 failed, 4 already done" in capsys.readouterr().out
