@@ -519,7 +519,7 @@ def verify_against_source(folder: str, the_plan: Plan, progress: bool = True) ->
     stream(the_plan, check_source, on_bytes=bar.update)
     pieces = layout.pieces_of(man)
     params = os.path.join(folder, layout.PARAMS)
-    for batch in _batches([pieces[key] for key in sorted(the_plan.pieces)]):
+    for batch in layout.batches([pieces[key] for key in sorted(the_plan.pieces)], _FLUSH_BYTES):
         values = layout.read_pieces(params, batch)
         for p in batch:
             got = sha256(values.pop(p.key))
@@ -528,20 +528,6 @@ def verify_against_source(folder: str, the_plan: Plan, progress: bool = True) ->
                                       f"read back, {listed[p.key]['sha256'][:12]} from the source)")
             bar.update(p.nbytes)
     bar.close()
-
-
-def _batches(pieces: list[layout.Piece]):
-    """`pieces` in order, in batches of at most _FLUSH_BYTES (or one larger piece): one Orbax read each."""
-    batch: list[layout.Piece] = []
-    size = 0
-    for p in pieces:
-        if batch and size + p.nbytes > _FLUSH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(p)
-        size += p.nbytes
-    if batch:
-        yield batch
 
 
 def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int | None = None,
@@ -588,7 +574,7 @@ def to_hf(src: str | os.PathLike, dst: str | os.PathLike, max_shard_bytes: int |
     params = os.path.join(src, layout.PARAMS)
     total = sum(p.nbytes for p in pieces.values())
     bar = _progress(total, "to-hf", progress)
-    for batch in _batches(order):
+    for batch in layout.batches(order, _FLUSH_BYTES):
         values = layout.read_pieces(params, batch)
         for p in batch:
             for name, v in originals(p, np.asarray(values.pop(p.key))):

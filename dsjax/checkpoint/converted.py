@@ -184,7 +184,7 @@ def fill(folder: str, pieces: dict[str, Piece], flat: list, targets: dict, mesh=
         if placement(t.path).wants(_region(t, p)):
             units.setdefault(unit_of(p.key), []).append(p)
     for unit in sorted(units):
-        for batch in _batches(units[unit]):
+        for batch in batches(sorted(units[unit], key=lambda p: p.key)):
             for key, value in read_pieces(params, batch).items():
                 t = targets[pieces[key].hf]
                 placement(t.path).put(_region(t, pieces[key]), value)
@@ -196,7 +196,7 @@ def read_whole(folder: str, pieces: list[Piece]) -> dict[str, np.ndarray]:
     """Host arrays of the tensors `pieces` hold (row blocks joined), by name."""
     params = os.path.join(folder, PARAMS)
     parts: dict[str, list[tuple[int, np.ndarray]]] = {}
-    for batch in _batches(pieces):
+    for batch in batches(sorted(pieces, key=lambda p: p.key)):
         for key, value in read_pieces(params, batch).items():
             hf, first = split_key(key)
             parts.setdefault(hf, []).append((first, value))
@@ -218,10 +218,11 @@ def read_whole(folder: str, pieces: list[Piece]) -> dict[str, np.ndarray]:
 _READ_BYTES = 256 << 20
 
 
-def _batches(pieces: list[Piece]):
+def batches(pieces: list[Piece], max_bytes: int = _READ_BYTES):
+    """`pieces` in their order, in batches of at most `max_bytes` (or one larger piece): one Orbax read each."""
     batch, size = [], 0
-    for p in sorted(pieces, key=lambda p: p.key):
-        if batch and size + p.nbytes > _READ_BYTES:
+    for p in pieces:
+        if batch and size + p.nbytes > max_bytes:
             yield batch
             batch, size = [], 0
         batch.append(p)
