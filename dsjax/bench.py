@@ -284,7 +284,7 @@ def roofline_v41(model, batch: int, prompt_len: int, gen_len: int, rates: Device
     indexer scores (Full and Reindex layers) and the entries it picks, in the cache's storage (`kv_dtype`);
     prefill runs the decoder layers on `decoder_keep` positions with exact truncation (all of them with
     "full")."""
-    from dsjax.cache_formats import V41_STORAGE, record_bytes
+    from dsjax.cache_formats import V41_STORAGE, v41_row_bytes
     from dsjax.model_v41 import decoder_keep
 
     cfg = model.cfg
@@ -315,9 +315,7 @@ def roofline_v41(model, batch: int, prompt_len: int, gen_len: int, rates: Device
             layer_active[layer] += value.size * share
     head_active = cfg.vocab_size * cfg.hidden_size
     if kv_dtype in V41_STORAGE:
-        window_fmt, entry_fmt, key_fmt = V41_STORAGE[kv_dtype]
-        window_row, entry_row = record_bytes(window_fmt, cfg.head_dim), record_bytes(entry_fmt, cfg.head_dim)
-        key_row = record_bytes(key_fmt, cfg.index_head_dim)
+        window_row, entry_row, key_row = v41_row_bytes(kv_dtype, cfg.head_dim, cfg.index_head_dim)
     else:
         size = jnp.dtype(jnp.bfloat16 if kv_dtype else model.dtype).itemsize
         window_row, entry_row, key_row = size * cfg.head_dim, size * cfg.head_dim, size * cfg.index_head_dim

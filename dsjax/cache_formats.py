@@ -244,6 +244,15 @@ def unpack(records, fmt: str, dtype=jnp.bfloat16, *, dim: int | None = None) -> 
 V41_STORAGE = {"fp8": ("mxfp8", "mxfp8", "mxfp4"), "fp4": ("mxfp8", "nvfp4", "mxfp4")}
 
 
+def v41_row_bytes(kv_dtype: str, head_dim: int, index_head_dim: int) -> tuple[int, int, int]:
+    """Bytes of one (window row, compressed entry, index key) of a V4.1 cache in packed `kv_dtype`."""
+    if kv_dtype not in V41_STORAGE:
+        raise ValueError(f"kv_dtype must be one of {sorted(V41_STORAGE)} (the release's packed formats), "
+                         f"got {kv_dtype!r}")
+    window, entry, key = V41_STORAGE[kv_dtype]
+    return record_bytes(window, head_dim), record_bytes(entry, head_dim), record_bytes(key, index_head_dim)
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=["fmt", "dim"])
 @dataclasses.dataclass
 class Records:

@@ -199,17 +199,12 @@ def v41_cache_bytes(cfg, kv_dtype: str = "fp4") -> dict[str, float]:
     (compressed entries and index keys of the KV sources) per token of context, and the per-sequence window
     rings. `kv_dtype` as the cache's (`dsjax.cache.v41_layer_cache`): "fp4" (NVFP4 entries, the release's
     default) or "fp8" (MXFP8 entries)."""
-    from dsjax.cache_formats import V41_STORAGE, record_bytes
+    from dsjax.cache_formats import v41_row_bytes
 
-    if kv_dtype not in V41_STORAGE:
-        raise ValueError(f"kv_dtype must be one of {sorted(V41_STORAGE)} (the release's packed formats), "
-                         f"got {kv_dtype!r}")
-    window_fmt, entry_fmt, key_fmt = V41_STORAGE[kv_dtype]
-    entry = record_bytes(entry_fmt, cfg.head_dim)
-    key = record_bytes(key_fmt, cfg.index_head_dim)
+    window_row, entry, key = v41_row_bytes(kv_dtype, cfg.head_dim, cfg.index_head_dim)
     roles = cfg.layer_roles()
     global_bytes = sum((entry + key) / r.ratio for r in roles if r.mode == "full")
-    window = len(roles) * cfg.sliding_window * record_bytes(window_fmt, cfg.head_dim)
+    window = len(roles) * cfg.sliding_window * window_row
     return {"global_per_token": global_bytes, "entries_per_token": sum(entry / r.ratio for r in roles
                                                                           if r.mode == "full"),
             "index_keys_per_token": sum(key / r.ratio for r in roles if r.mode == "full"),

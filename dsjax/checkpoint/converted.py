@@ -53,7 +53,7 @@ class Piece:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-_EXPERTS = tuple(x + s for x in TRANSPOSED_LEAVES + MERGED_EXPERTS for s in ("", "_scale_inv"))
+_EXPERTS = tuple(x + s for x in TRANSPOSED_LEAVES for s in ("", "_scale_inv")) + MERGED_EXPERTS
 
 
 def is_expert(hf: str) -> bool:

@@ -37,8 +37,9 @@ KEPT_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "ima
 # dsjax variables computed from the tokenizer (Engram's hash tables): no checkpoint tensor holds them.
 DERIVED = ("ngram_hash.",)
 
-# The merged routed experts (dsjax holds one variable per layer, the release a tensor per expert).
-MERGED_EXPERTS = ("ffn.experts.gate_up_proj", "ffn.experts.down_proj")
+# The merged routed experts and their scales (dsjax holds one variable per layer, the release a tensor per expert).
+MERGED_EXPERTS = tuple(m + s for m in ("ffn.experts.gate_up_proj", "ffn.experts.down_proj")
+                       for s in ("", "_scale_inv"))
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")

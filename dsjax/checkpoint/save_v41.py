@@ -27,7 +27,7 @@ def release_names(cfg, key: str, value: np.ndarray, first_expert: int = 0) -> It
     if names_v41.is_kept(key):
         yield key, value
         return
-    if key.endswith(tuple(m + s for m in names_v41.MERGED_EXPERTS for s in ("", "_scale_inv"))):
+    if key.endswith(names_v41.MERGED_EXPERTS):
         inter = cfg.moe_intermediate_size
         prefix = key.split(".ffn.experts.")[0] + ".ffn.experts."
         leaf = key.rsplit(".", 1)[1]
