@@ -30,6 +30,13 @@ CASES = [
     {"name": "mixed", "config": _mixed(), "vocabulary": tiny_v41_vocabulary(),
      "seed": 7, "batch": 2, "seq_lens": [23, 64], "image_span": {"row": 0, "start": 30, "stop": 40},
      "generate": {"prompt_len": 16, "new_tokens": 32}},
+    # The tiny text model reading images (tiny-v4.1-vision): NeMo's processor, ViT and aligner on five synthetic
+    # images (width, height): upscaled to min_pixels, as is, capped at max_image_tokens, 5:1 (max_wh_ratio is null:
+    # padded, not clamped), square; then one prompt (BOS, 5 words, image 0's span, 6 words) through the whole
+    # model. No text-only outputs for this case (see run_v41_reference.py).
+    {"name": "vision", "config": copy.deepcopy(PRESETS["tiny-v4.1-vision"]), "vocabulary": tiny_v41_vocabulary(),
+     "seed": 147, "vision": {"image_sizes": [[100, 80], [640, 480], [2000, 1500], [1500, 300], [700, 700]],
+                             "prompt": {"image": 0, "text_before": 5, "text_after": 6}}},
 ]
 
 # NeMo's cache quantize-dequantize on one fixed input, for each (format, block size) the model uses.

@@ -287,3 +287,39 @@ def test_quantization_cases(reference_v41):
             levels = fp4
         mids = (levels[1:] + levels[:-1]) / 2
         assert np.isin(ratio, mids).mean() > 0.05, fmt
+
+
+def test_vision_case(reference_v41):
+    """The vision case: the checkpoint carries the vision tower under the release names (§4.4), and each image's
+    processor outputs, ViT features, aligner rows and span length agree with one another; the prompt's span is
+    image 0's."""
+    spec = next(c for c in CASES if c["name"] == "vision")
+    raw, folder = spec["config"], reference_v41 / "vision"
+    vc, hidden, image_id = raw["vision_config"], raw["text_config"]["hidden_size"], raw["image_token_id"]
+    assert json.loads((folder / "ckpt" / "config.json").read_text()) == PRESETS["tiny-v4.1-vision"]
+    w = load_file(folder / "ckpt" / "model.safetensors")
+    vision = {k: t for k, t in w.items() if k.startswith(("vision.", "aligner.", "image_"))}
+    assert len(vision) == 10 + 8 * vc["num_hidden_layers"] and {t.dtype for t in w.values()} == {np.dtype(np.float32)}
+    assert vision["aligner.w1.weight"].shape == (hidden, 9 * vc["hidden_size"])
+    assert vision["vision.blocks.1.mlp.w1.weight"].shape == (2 * vc["intermediate_size"], vc["hidden_size"])
+    assert all(t.std() > 0.05 for t in vision.values())
+    for i, (width, height) in enumerate(spec["vision"]["image_sizes"]):
+        n_h, n_w = grid = _load(folder, f"vision_grid_{i}.npy")
+        rows_h, rows_w = -(-n_h // 3), -(-n_w // 3)
+        assert (_load(folder, f"vision_canvas_{i}.npy") == 14 * grid).all()
+        assert _load(folder, f"vision_patches_{i}.npy").shape == (n_h * n_w, 3, 14, 14)
+        features, rows = _load(folder, f"vision_features_{i}.npy"), _load(folder, f"vision_rows_{i}.npy")
+        assert features.shape == (n_h * n_w, vc["hidden_size"]) and rows.shape == (rows_h * rows_w, hidden)
+        assert 0.5 < features.std() < 2 and 0.5 < rows.std() < 2
+        tokens = int(_load(folder, f"vision_tokens_{i}.npy"))
+        assert tokens == rows_h * (rows_w + 1) + 2 <= vc["max_image_tokens"] and n_h * n_w * 196 >= vc["min_pixels"]
+        if width * height > 2e6:  # shrunk to the token cap
+            assert tokens > 0.9 * vc["max_image_tokens"] and n_w * 14 < width
+    ids, types = _load(folder, "vision_input_ids.npy"), _load(folder, "vision_token_types.npy")
+    mask = _load(folder, "vision_image_mask.npy")
+    assert ids.shape == types.shape == mask.shape == (1, len(ids[0])) and (mask == (types >= 0)).all()
+    assert (ids[mask] == image_id).all() and (ids[~mask] != image_id).all() and ids[0, 0] == raw["bos_token_id"]
+    assert mask.sum() == int(_load(folder, "vision_tokens_0.npy"))
+    for variant in ("identity", "quantized"):
+        logits = _load(folder, f"vision_logits_{variant}.npy")
+        assert logits.shape == (*ids.shape, 256) and np.isfinite(logits).all() and 0.3 < logits.std() < 10
