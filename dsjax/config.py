@@ -133,12 +133,13 @@ class QuantConfig:
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-    """The V4.1 image encoder (HF `vision_config`; dsjax's design, no public reference): a ViT over
+    """The embedded demo model's image encoder (HF `vision_config`; dsjax's design, made before V4.1's
+    encoder was public: `layers/demo_vision.py`; V4.1's is `config_v41.V41VisionConfig`): a ViT over
     `patch_size`-pixel patches with 2-D rotary positions, whose `merge_size`² neighbouring patches are
     merged into one decoder embedding. An image of W×H pixels (multiples of `patch_size`, as
     deepseek-recipe preprocesses them) becomes `rows·(cols + 1) + 2` embeddings with
     `cols = ⌈W / patch_size / merge_size⌉`, `rows = ⌈H / patch_size / merge_size⌉`: one per merged cell,
-    one closing each row, one opening and one closing the image (`layers/vision.py`)."""
+    one closing each row, one opening and one closing the image."""
 
     hidden_size: int
     num_layers: int
@@ -173,6 +174,12 @@ class VisionConfig:
 
     def to_hf(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    pixel_format = "demo"  # pixels x map to x·2/255 − 1 in fp32; a patch flattens (y, x, channel)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """(rows, cols) of merged cells for a preprocessed W×H image."""
@@ -231,7 +238,8 @@ class ModelConfig:
     compress_rope_theta: float = 160000.0
     # None: weights in a float dtype. Otherwise the low-precision storage the weights keep on the device.
     quantization: QuantConfig | None = None
-    # None: text only (V4-Flash). V4.1-Flash reads images through this encoder.
+    # None: text only (V4-Flash). The embedded demo reads images through this encoder (V4.1-Flash has its own,
+    # `config_v41.V41VisionConfig`).
     vision: VisionConfig | None = None
 
     def __post_init__(self):

@@ -77,6 +77,29 @@ class V41VisionConfig:
     def to_hf(self) -> dict[str, Any]:
         return {"model_type": "deepseek_v41_vision", **dataclasses.asdict(self)}
 
+    @property
+    def merge_size(self) -> int:
+        """Patches per side of the cell that becomes one decoder embedding."""
+        return self.downsample_ratio
+
+    # Pixels x map to bf16((x/255 − 0.5)/0.5) (computed in fp32, as the release's lookup table); a patch
+    # flattens (channel, y, x).
+    pixel_format = "v4.1"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) of cells for a preprocessed W×H image (sides multiples of the patch size)."""
+        cell = self.patch_size * self.downsample_ratio
+        return -(-height // cell), -(-width // cell)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """Prompt positions of a preprocessed W×H image: its cells, a newline per row, start and end."""
+        rows, cols = self.grid(width, height)
+        return rows * (cols + 1) + 2
+
 
 @dataclasses.dataclass(frozen=True)
 class V41Config:

@@ -17,10 +17,11 @@ from flax import nnx
 from dsjax.cache import Cache
 from dsjax.config import ModelConfig
 from dsjax.layers.decoder_layer import DecoderLayer
+from dsjax.layers.demo_vision import DemoVisionEncoder
 from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import HyperHead
 from dsjax.layers.norms import RMSNorm
-from dsjax.layers.vision import VisionEncoder
+from dsjax.layers.patch_attention import QUERY_BLOCK
 from dsjax.numerics import einsum
 from dsjax.run_config import KERNELS, check_choice
 from dsjax.stacked import READ_IN_PLACE, StackedSlice
@@ -152,7 +153,20 @@ class DeepseekV4(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype))
         # Made last, so that a text-only model's weights draw the same random numbers with or without it.
-        self.vision = VisionEncoder(cfg, rngs=rngs, dtype=dtype) if cfg.vision is not None else None
+        self.vision = DemoVisionEncoder(cfg, rngs=rngs, dtype=dtype) if cfg.vision is not None else None
+
+    def image_cells(self, patches_bnk: jax.Array, row_bn: jax.Array, col_bn: jax.Array, valid_bn: jax.Array,
+                    query_block: int = QUERY_BLOCK, fused: bool = False) -> jax.Array:
+        """A batch of images' patches (`engine.pixels.patchify`, padded to one length) → one decoder
+        embedding per cell `[B, N / m², hidden]`; the demo encoder takes the images one after another."""
+        if self.vision is None:
+            raise ValueError("this model has no image encoder (its config has no vision_config)")
+        return jnp.stack([self.vision.cells(*(a[i] for a in (patches_bnk, row_bn, col_bn, valid_bn)), query_block,
+                                            fused) for i in range(patches_bnk.shape[0])])
+
+    def image_frame(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The learned (image begin, row end, image end) embeddings `[hidden]` each."""
+        return self.vision.frame()
 
     def layer(self, index: int) -> DecoderLayer:
         """Decoder layer `index` on its own (a view of its slice of the stacked weights)."""

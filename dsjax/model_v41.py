@@ -24,7 +24,9 @@ from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import collapse
 from dsjax.layers.ngram_hash import NgramHash, default_token_map
 from dsjax.layers.norms import RMSNorm
+from dsjax.layers.patch_attention import QUERY_BLOCK
 from dsjax.layers.single_pass_block import SinglePassBlock
+from dsjax.layers.vision_v41 import Aligner, ViT
 from dsjax.model import Embedding, zero_past
 from dsjax.numerics import precision
 
@@ -37,7 +39,7 @@ class DeepseekV41(nnx.Module):
         None takes `ngram_hash.default_token_map` (a model of random weights has no tokenizer)."""
         self.cfg = cfg
         self.dtype = dtype
-        self.kept_weights = None  # set by the loader: weights of parts not run yet (DSpark, image encoder)
+        self.kept_weights = None  # set by the loader: weights of parts not run yet (DSpark)
         if token_map is None:
             token_map = default_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size)
         self.ngram_hash = nnx.data(NgramHash(EngramHasher.from_config(cfg, token_map)) if cfg.engram_layer_ids
@@ -46,6 +48,25 @@ class DeepseekV41(nnx.Module):
         self.layers = nnx.List([SinglePassBlock(cfg, role, rngs=rngs, dtype=dtype) for role in cfg.layer_roles()])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
+        # The image encoder, under the release's names (vision.*, aligner.*, image_start/newline/end).
+        v = cfg.vision
+        self.vision = nnx.data(ViT(v, rngs=rngs, dtype=dtype) if v else None)
+        self.aligner = nnx.data(Aligner(v, cfg.hidden_size, rngs=rngs, dtype=dtype) if v else None)
+        for name in ("image_start", "image_newline", "image_end"):
+            setattr(self, name, nnx.data(nnx.Param((cfg.initializer_range * jax.random.normal(
+                rngs.params(), (cfg.hidden_size,))).astype(dtype)) if v else None))
+
+    def image_cells(self, patches_bnk: jax.Array, row_bn: jax.Array, col_bn: jax.Array, valid_bn: jax.Array,
+                    query_block: int = QUERY_BLOCK, fused: bool = False) -> jax.Array:
+        """A batch of images' patches, cell by cell (`engine.pixels.patchify`, padded to one length) → one
+        decoder embedding per cell `[B, N / m², hidden]`: the ViT, then the aligner."""
+        if self.vision is None:
+            raise ValueError("this model has no image encoder (its config has no vision_config)")
+        return self.aligner(self.vision(patches_bnk, row_bn, col_bn, valid_bn, query_block, fused))
+
+    def image_frame(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The learned (image start, row end, image end) embeddings `[hidden]` each."""
+        return self.image_start[...], self.image_newline[...], self.image_end[...]
 
     def hidden_states(self, input_ids: jax.Array, image_mask: jax.Array | None = None,
                       engram_rows: jax.Array | None = None, embeds: jax.Array | None = None,

@@ -249,6 +249,15 @@ PRESETS["demo-vision"] = {**PRESETS["demo"], "vision_config": {"hidden_size": 32
                                                                "intermediate_size": 64}}
 
 
+# The tiny V4.1 preset reading images: the release's ViT and aligner at width 32 (2 blocks of 2 heads), with
+# the release's image sizing (patch 14, 3 x 3 cells, the 1,024-token cap, 544² minimum pixels), which
+# deepseek-recipe applies whatever the config says.
+PRESETS["tiny-v4.1-vision"] = {**PRESETS["tiny-v4.1"], "vision_config": {
+    "model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+    "intermediate_size": 96, "patch_size": 14, "rope_theta": 10000.0, "downsample_ratio": 3,
+    "max_image_tokens": 1024, "min_pixels": 295936, "max_wh_ratio": None}}
+
+
 def tiny_v41_vocabulary() -> list[str]:
     """The tiny V4.1 preset's 256-token word-level vocabulary (its `tokenizer.json` holds exactly these, id =
     index). Engram keys tokens by their normalised text, so the words come in spellings that normalise

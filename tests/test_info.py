@@ -32,6 +32,20 @@ def test_v41_flash_counts_are_the_releases():
     assert 15e9 < info.active < 17e9
 
 
+def test_v41_flash_counts_the_released_image_encoder():
+    """The encoder of spec §1.5 / §4.4, counted from its layer shapes: patch embedding 588 → 1024 with bias,
+    32 blocks (two norms, qkv and output projections with bias, SwiGLU of 2816 without), the final norm,
+    the aligner 9216 → 5120 → 5120 with biases and the three learned delimiters: 485,268,480 parameters,
+    outside the backbone and the active count."""
+    d, inter, h = 1024, 2816, 5120
+    block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * inter * d + d * inter
+    want = (588 * d + d) + 32 * block + d + (9 * d * h + h) + (h * h + h) + 3 * h
+    cfg = V41Config.preset("v4.1-flash")
+    info, text_only = v41_model_info(cfg), v41_model_info(cfg.replace(vision=None))
+    assert info.by_component["vision"] == want == 485_268_480 == info.total - text_only.total
+    assert info.active == text_only.active and info.backbone == text_only.backbone
+
+
 def test_v41_cache_bytes_are_the_releases():
     """890 B per token of global cache with NVFP4 entries (3 · 288 / 2 + 288 entries, 3 · 68 / 2 + 68 index keys);
     1490 with MXFP8 entries; each sequence's 40 window rings of 128 MXFP8 rows of 528 B."""

@@ -52,7 +52,7 @@ _TOP = {
     "hc_head.hc_scale": "model.hc_head.hc_scale",
 }
 
-# The V4.1 image encoder's tensors (`layers/vision.py`): `model.vision.<dsjax path>` in HF names,
+# The V4 demo's image encoder's tensors (`layers/demo_vision.py`): `model.vision.<dsjax path>` in HF names,
 # `vision.<dsjax path>` in original ones, e.g. `model.vision.blocks.3.qkv.weight`.
 VISION_PREFIX = "vision."
 

@@ -30,9 +30,13 @@ LAYER_RULES = [
 ]
 TOP = {"embed.weight": "embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "norm.weight"}
 
-# Weights of parts dsjax does not run yet (DSpark's draft stages, the image encoder): read and kept
-# beside the model, never silently dropped.
-KEPT_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline", "image_pad")
+# Weights of parts dsjax does not run yet (DSpark's draft stages): read and kept beside the model, never
+# silently dropped.
+KEPT_PREFIXES = ("mtp.", "image_pad")
+
+# The image encoder's tensors: dsjax's module paths are the release's names (`layers/vision_v41.py`).
+IMAGE_PREFIXES = ("vision.", "aligner.")
+IMAGE_DELIMITERS = ("image_start", "image_end", "image_newline")
 
 # dsjax variables computed from the tokenizer (Engram's hash tables): no checkpoint tensor holds them.
 DERIVED = ("ngram_hash.",)
@@ -68,6 +72,8 @@ def to_dsjax(name: str) -> str | ExpertPart | None:
     rest = strip_prefix(name)
     if rest in TOP:
         return TOP[rest]
+    if rest.startswith(IMAGE_PREFIXES) or rest in IMAGE_DELIMITERS:
+        return rest
     e = _EXPERT.fullmatch(rest)
     if e:
         merged = "down_proj" if e.group(3) == "w2" else "gate_up_proj"
@@ -93,6 +99,8 @@ def to_release(path: str) -> str:
     for release, ours in TOP.items():
         if path == ours:
             return release
+    if path.startswith(IMAGE_PREFIXES) or path in IMAGE_DELIMITERS:
+        return path
     m = _LAYER.fullmatch(path)
     if not m:
         raise ValueError(f"{path!r} is not a DeepSeek-V4.1 dsjax path")

@@ -1,7 +1,8 @@
 """Rotary embeddings as V4 applies them: interleaved pairs on the trailing `rd` channels of each head.
 
 Two tables exist, `main` (pure sliding layers) and `compress` (CSA/HCA attention, compressors, indexer);
-only `compress` may carry YaRN. Frequencies are computed in fp32 numpy at trace time.
+only `compress` may carry YaRN. Frequencies are computed in fp32 numpy at trace time. The image encoders'
+2-D tables (`rope_2d`) turn a patch's channels by its row and its column instead.
 """
 
 from __future__ import annotations
@@ -63,3 +64,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     c, s = cos.astype(jnp.float32), sin.astype(jnp.float32)
     out = jnp.stack([a * c - b * s, b * c + a * s], axis=-1).reshape(rot.shape).astype(x.dtype)
     return jnp.concatenate([nope, out], axis=-1)
+
+
+def rope_2d(row: jax.Array, col: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """An image patch grid's rotary table: cos and sin `[..., head_dim/2]` for patch (row, col) ids of any
+    shape; the first `head_dim/4` angles turn with the row, the last with the column, both at the
+    frequencies `theta^(−i/(head_dim/4))`, in fp32."""
+    quarter = head_dim // 4
+    inv = 1.0 / (theta ** (np.arange(quarter, dtype=np.float32) / quarter))
+    angles = jnp.concatenate([row.astype(jnp.float32)[..., None] * inv, col.astype(jnp.float32)[..., None] * inv],
+                             axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope_half_split(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate all channels of x in the half-split (NeoX) form: channel i pairs with i + D/2; cos/sin
+    `[..., D/2]` broadcast over heads by the caller. In fp32, cast back to x's dtype."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos.astype(jnp.float32), sin.astype(jnp.float32)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

@@ -259,15 +259,13 @@ def test_expert_layout_of_a_float_checkpoint(float_model, float_folder):
 
 # ------------------------------------------------------------------------------------- kept weights
 
-def test_mtp_and_vision_tensors_are_kept_and_written_back(quant_folder, tmp_path):
+def test_mtp_tensors_are_kept_and_written_back(quant_folder, tmp_path):
     rng = np.random.default_rng(5)
     extra = {
         "mtp.0.main_proj.weight": rng.uniform(-2, 2, (64, 192)).astype(E4M3),
         "mtp.0.main_proj.scale": rng.integers(120, 125, (2, 6)).astype(np.uint8).view(E8M0),
         "mtp.0.main_norm.weight": rng.normal(size=64).astype(ml_dtypes.bfloat16),
         "mtp.0.ffn.experts.0.w1.weight": rng.integers(-128, 128, (32, 32)).astype(np.int8),
-        "vision.blocks.0.attn.wqkv.weight": rng.normal(size=(96, 32)).astype(np.float32),
-        "image_start": rng.normal(size=64).astype(ml_dtypes.bfloat16),
     }
     src = tmp_path / "with_extra"
     _write(src, {"model-00001-of-00002.safetensors": _tensors(quant_folder),
@@ -285,6 +283,17 @@ def test_mtp_and_vision_tensors_are_kept_and_written_back(quant_folder, tmp_path
         assert written[name].dtype == value.dtype, name
         np.testing.assert_array_equal(written[name].view(np.uint8), value.view(np.uint8), err_msg=name)
     assert written.keys() == _tensors(src).keys()
+
+
+def test_image_encoder_tensors_in_a_text_only_config_are_refused(quant_folder, tmp_path):
+    """The image encoder runs in dsjax (it is no longer kept aside): its tensors in a checkpoint whose config
+    has no vision_config belong to no parameter, and the error names one."""
+    src = tmp_path / "with_vision"
+    extra = {"vision.blocks.0.attn.wqkv.weight": np.zeros((96, 32), ml_dtypes.bfloat16)}
+    _write(src, {"model-00001-of-00002.safetensors": _tensors(quant_folder),
+                 "model-00002-of-00002.safetensors": extra}, quant_folder)
+    with pytest.raises(CheckpointError, match="unexpected tensor 'vision.blocks.0.attn.wqkv.weight'"):
+        dsjax.load_model(src)
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -1,5 +1,6 @@
-"""The V4.1 image encoder: the recipe's token count image by image, the patch layout, the embeddings'
-layout, 2-D rotary positions that only relative placement matters to, and the refusals."""
+"""The embedded demo model's image encoder (dsjax's design): the recipe's token count image by image, the
+patch layout, the embeddings' layout, 2-D rotary positions that only relative placement matters to, and the
+refusals."""
 
 import io
 
@@ -14,7 +15,7 @@ from PIL import Image
 from dsjax.config import ConfigError, ModelConfig, VisionConfig
 from dsjax.engine.encoder import fused_vision
 from dsjax.engine.pixels import ImageError, cell_bucket, decode_image, pad_cells, patchify
-from dsjax.layers.vision import VisionEncoder
+from dsjax.layers.demo_vision import DemoVisionEncoder
 
 TINY_VISION = VisionConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 
@@ -22,7 +23,7 @@ TINY_VISION = VisionConfig(hidden_size=32, num_layers=2, num_heads=2, intermedia
 @pytest.fixture(scope="module")
 def encoder():
     cfg = ModelConfig.preset("tiny").replace(vision=TINY_VISION)
-    return VisionEncoder(cfg, rngs=nnx.Rngs(0))
+    return DemoVisionEncoder(cfg, rngs=nnx.Rngs(0))
 
 
 def _png(w: int, h: int, rng) -> bytes:
@@ -154,49 +155,19 @@ def test_vision_config_round_trips_and_refuses_bad_fields():
     with pytest.raises(ConfigError, match="patch_size must be a positive int"):
         VisionConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=8, patch_size=0)
     with pytest.raises(ValueError, match="no vision_config"):
-        VisionEncoder(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        DemoVisionEncoder(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("n,block", [(37, 8), (40, 8), (12, 16)])
-def test_attention_in_query_blocks_is_the_dense_attention(n, block):
-    """Queries in blocks (the last one padded) give the dense attention's rows, invalid keys masked."""
-    from dsjax.layers.vision import _attend_dense, attend
-
-    rng = np.random.default_rng(n)
-    q, k, v = (jnp.asarray(rng.standard_normal((n, 2, 8)), jnp.float32) for _ in range(3))
-    valid = jnp.asarray(rng.random(n) < 0.7)
-    got = np.asarray(attend(q, k, v, valid, query_block=block))
-    np.testing.assert_allclose(got, np.asarray(_attend_dense(q, k, v, valid)), rtol=1e-6, atol=1e-6)
-    assert got.shape == (n, 2, 8)
-
-
-def test_attention_in_query_blocks_holds_a_blocks_scores_not_all():
-    """XLA's temporaries for 4,096 patches at 16 heads: the dense scores alone are 1 GiB; in blocks of
-    512 queries the whole step stays under a quarter of that."""
-    from dsjax.layers.vision import attend
-
-    n, heads = 4096, 16
-    spec = jax.ShapeDtypeStruct((n, heads, 64), jnp.bfloat16)
-    valid = jax.ShapeDtypeStruct((n,), jnp.bool_)
-
-    def temp(block):
-        compiled = jax.jit(lambda q, k, v, m: attend(q, k, v, m, block)).lower(spec, spec, spec, valid).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
-
-    assert temp(n) >= heads * n * n * 4
-    assert temp(512) < heads * n * n * 4 // 4
-
-
-def _xla_fused(q_nhk, k_nhk, v_nhk, n_valid):
+def _xla_fused(q_bnhk, k_bnhk, v_bnhk, n_valid_b):
     """`attend_fused`'s contract (keys past `n_valid` masked) through XLA's attention, for CPUs."""
-    return jax.nn.dot_product_attention(q_nhk[None], k_nhk[None], v_nhk[None],
-                                        key_value_seq_lengths=n_valid.reshape(1), implementation="xla")[0]
+    return jax.nn.dot_product_attention(q_bnhk, k_bnhk, v_bnhk, key_value_seq_lengths=n_valid_b,
+                                        implementation="xla")
 
 
 def test_fused_path_moves_valid_patches_first_and_back(encoder, monkeypatch):
     """With the valid patches moved first and keys masked by a length (as cuDNN takes them), the cells
     are the masked attention's, padding cells and partial cells included."""
-    import dsjax.layers.vision as vision
+    import dsjax.layers.demo_vision as vision
 
     monkeypatch.setattr(vision, "attend_fused", _xla_fused)
     monkeypatch.setattr(vision, "fused_attention_fits", lambda dtype, head_dim: True)
@@ -221,7 +192,7 @@ def test_cudnn_attention_gives_the_blocked_attentions_cells():
     an image with partial and padding cells; the engine picks the fused path there."""
     vision = VisionConfig(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512)
     cfg = ModelConfig.preset("tiny").replace(vision=vision)
-    enc = VisionEncoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    enc = DemoVisionEncoder(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     pixels = np.random.default_rng(0).integers(0, 256, (40 * 14, 31 * 14, 3), dtype=np.uint8)
     rows, cols = vision.grid(pixels.shape[1], pixels.shape[0])
     a = pad_cells(patchify(pixels, vision), cell_bucket(rows * cols), vision)
