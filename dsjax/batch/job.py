@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -44,6 +44,9 @@ from dsjax.engine.scheduler import Request, StepTimer, run
 from dsjax.engine.slots import prefill_buckets, prefill_rows
 from dsjax.parallel import distributed
 from dsjax.run_config import RunConfig
+
+# Requests whose images go through the encoder together (`_encode_images`).
+IMAGE_REQUESTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,11 +385,9 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     if model_cfg.vision is not None and fmt != "v4.1":
         raise JobError("a model that reads images needs the v4.1 prompt format (V4's renders no images)")
     image_root = cfg.image_root or os.path.dirname(os.path.abspath(cfg.input))
-    # V4.1's image encoder is not built yet: its requests are text only (the recipe refuses images).
-    vision = None if getattr(model_cfg, "family", "v4") == "v4.1" else model_cfg.vision
     try:
         recipe = Recipe(tokenizer, context, model_cfg.eos_token_id, prompt_format=fmt,
-                        served_names=names or default_served_names(cfg.model, fmt), vision=vision,
+                        served_names=names or default_served_names(cfg.model, fmt), vision=model_cfg.vision,
                         images=ImageResolver(allow_remote=cfg.allow_remote_images), image_root=image_root)
     except ValueError as e:
         raise JobError(str(e)) from None
@@ -575,11 +576,16 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
 
     def order(window: list[Prepared]) -> Iterator[Request]:
         # Longest prompts first keeps slots busy; no result depends on the order.
-        for prep in sorted(window, key=lambda p: -len(p.prompt)):
-            try:
-                spliced = _encode_images(engine, prep)
-            except ImageError as e:
-                fail(prep.line, ErrorInfo("invalid_image", f"an image of the request could not be encoded: {e}"))
+        ranked = sorted(window, key=lambda p: -len(p.prompt))
+        for first in range(0, len(ranked), IMAGE_REQUESTS):
+            group = ranked[first:first + IMAGE_REQUESTS]
+            yield from admit(group, _encode_images(engine, group))
+
+    def admit(group: list[Prepared], encoded: list) -> Iterator[Request]:
+        for prep, spliced in zip(group, encoded):
+            if isinstance(spliced, ImageError):
+                fail(prep.line, ErrorInfo("invalid_image", f"an image of the request could not be encoded: "
+                                                           f"{spliced}"))
                 continue
             index = next(next_index)
             preps[index] = prep
@@ -622,18 +628,31 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
                             gen_tok_s=f"{stats['generated_tokens'] / elapsed:.0f}", refresh=False)
 
 
-def _encode_images(engine: Engine, prep: Prepared) -> Spliced | None:
-    """The embeddings of a request's images at their expanded placeholders (None without images); encoded
-    just before the request enters the scheduler, so a window of requests does not hold them all."""
-    if not prep.images:
-        return None
-    embeds = []
-    for span in prep.images:
-        e = engine.encode_image(decode_image(span.data, engine.cfg.vision))
-        if e.shape[0] != span.length:
-            # The recipe's count and the encoder's layout disagree: a dsjax bug, not the image's fault.
-            raise RuntimeError(f"the encoder made {e.shape[0]} embeddings for an image the recipe counts as "
-                               f"{span.length} tokens")
-        embeds.append(e)
-    positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in prep.images])
-    return Spliced(positions, np.concatenate(embeds))
+def _encode_images(engine: Engine, preps: Sequence[Prepared]) -> list[Spliced | ImageError | None]:
+    """Per request, the embeddings of its images at their expanded placeholders (None without images, the
+    ImageError of an image that cannot be decoded). The images of all the requests go through the encoder
+    together (`Engine.encode_images`); encoded just before the requests enter the scheduler, so a window
+    of requests does not hold them all."""
+    out: list[Spliced | ImageError | None] = [None] * len(preps)
+    pixels, owners = [], []
+    for k, prep in enumerate(preps):
+        try:
+            decoded = [decode_image(span.data, engine.cfg.vision) for span in prep.images]
+        except ImageError as e:
+            out[k] = e
+            continue
+        pixels += decoded
+        owners += [k] * len(decoded)
+    embeds = engine.encode_images(pixels) if pixels else []
+    for k, prep in enumerate(preps):
+        if not prep.images or out[k] is not None:
+            continue
+        mine = [e for e, owner in zip(embeds, owners) if owner == k]
+        for span, e in zip(prep.images, mine):
+            if e.shape[0] != span.length:
+                # The recipe's count and the encoder's layout disagree: a dsjax bug, not the image's fault.
+                raise RuntimeError(f"the encoder made {e.shape[0]} embeddings for an image the recipe counts as "
+                                   f"{span.length} tokens")
+        positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in prep.images])
+        out[k] = Spliced(positions, np.concatenate(mine))
+    return out

@@ -20,6 +20,7 @@ from dsjax.batch.images import ImageRefused, ImageResolver, LocalImageError, cou
 from dsjax.batch.jobfile import ErrorInfo, InputLine, clip
 from dsjax.batch.options import unenforced_constraint, unsupported_option
 from dsjax.config import ModelConfig, VisionConfig
+from dsjax.config_v41 import V41VisionConfig
 from dsjax.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 _ENDPOINTS = {
@@ -97,7 +98,7 @@ def prompt_format(cfg: ModelConfig) -> str:
     return _format_for(cfg.vision)
 
 
-def _format_for(vision: VisionConfig | None) -> str:
+def _format_for(vision: VisionConfig | V41VisionConfig | None) -> str:
     return "v4.1" if vision is not None else "v4"
 
 
@@ -121,7 +122,7 @@ class Recipe:
 
     def __init__(self, tokenizer_path: str, context_limit: int, eos_token_ids: tuple[int, ...],
                  prompt_format: str | None = None, served_names: Sequence[str] = (),
-                 vision: VisionConfig | None = None, images: ImageResolver | None = None, image_root: str = "."):
+                 vision: VisionConfig | V41VisionConfig | None = None, images: ImageResolver | None = None, image_root: str = "."):
         if prompt_format is None:
             prompt_format = _format_for(vision)
         if prompt_format not in PROMPT_FORMATS:

@@ -160,10 +160,14 @@ class Engine:
 
     def encode_image(self, pixels_hwc: np.ndarray) -> np.ndarray:
         """One image's embeddings `[image_tokens, hidden]` (float32, on the host) from its `[H, W, 3]`
-        uint8 pixels (`pixels.decode_image`), for `Spliced`. The image is padded with blank cells to
-        `pixels.cell_bucket` cells, so images of many sizes share a few compiled encoders
-        (`encoder.encode_image`)."""
-        return encoder.encode_image(self.model, self._static, self.params, pixels_hwc)
+        uint8 pixels (`pixels.decode_image`), for `Spliced` (`encode_images`)."""
+        return self.encode_images([pixels_hwc])[0]
+
+    def encode_images(self, images_hwc: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """`encode_image` of several images at once: images are padded with blank cells to
+        `pixels.cell_bucket` cells and those of one size are encoded together, so images of many sizes
+        share a few compiled encoders (`encoder.encode_images`)."""
+        return encoder.encode_images(self.model, self._static, self.params, list(images_hwc))
 
     @staticmethod
     def compilations() -> int:

@@ -52,7 +52,8 @@ def _v41_dir(tmp_path_factory, preset: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_vision_model_dir(tmp_path_factory):
-    """A tiny V4.1 that reads images."""
+    """A tiny V4-family model that reads images with the demo encoder (`layers/demo_vision.py`), prompted in
+    V4.1's format."""
     return _v41_dir(tmp_path_factory, "tiny-vision")
 
 
@@ -60,6 +61,21 @@ def tiny_vision_model_dir(tmp_path_factory):
 def tiny_blind_model_dir(tmp_path_factory):
     """`tiny_vision_model_dir`'s decoder without the image encoder: the same weights (it is made last)."""
     return _v41_dir(tmp_path_factory, "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_vision_dir(tmp_path_factory):
+    """A synthetic DeepSeek-V4.1 checkpoint in the release's layout that reads images with the release's
+    encoder (tiny-v4.1-vision), with the tiny V4.1 tokenizer."""
+    from dsjax.checkpoint.synthetic import word_level_tokenizer, write_synthetic_v41
+    from dsjax.config_v41 import V41Config
+    from dsjax.presets import tiny_v41_vocabulary
+    from dsjax.training.tokenizer import special_token_strings
+
+    folder = tmp_path_factory.mktemp("tiny-v41-vision")
+    write_synthetic_v41(folder, V41Config.preset("tiny-v4.1-vision"), seed=4,
+                        tokenizer=word_level_tokenizer(tiny_v41_vocabulary(), special_token_strings()))
+    return str(folder)
 
 
 @pytest.fixture

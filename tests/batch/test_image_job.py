@@ -162,8 +162,11 @@ def test_each_image_lands_on_its_own_placeholders(tmp_path, tiny_vision_model_di
         n = cfg.vision.image_tokens(w, h)
         return np.repeat(w * 1000.0 + np.arange(n, dtype=np.float32)[:, None], cfg.hidden_size, axis=1)
 
-    engine = types.SimpleNamespace(cfg=cfg, encode_image=known)
-    spliced = _encode_images(engine, prep)
+    engine = types.SimpleNamespace(cfg=cfg, encode_images=lambda images: [known(p) for p in images])
+    text = recipe.prepare(InputLine(2, "y", "/v1/chat/completions", chat("y", "just text")["body"]))
+    # requests are encoded together: each gets its own images' rows, a text-only one none
+    none, spliced = _encode_images(engine, [text, prep])
+    assert none is None
     placeholders = np.flatnonzero(np.asarray(prep.prompt) == recipe.image_token_id)
     np.testing.assert_array_equal(spliced.positions, placeholders)
     # in prompt order: the history's image, then the last turn's two
@@ -178,9 +181,9 @@ def test_each_image_lands_on_its_own_placeholders(tmp_path, tiny_vision_model_di
         first += span.length
     assert first == len(placeholders)
     # An encoder whose count disagrees with the recipe's is dsjax's bug: raised, not blamed on the image.
-    engine = types.SimpleNamespace(cfg=cfg, encode_image=lambda pixels: known(pixels)[1:])
+    engine = types.SimpleNamespace(cfg=cfg, encode_images=lambda images: [known(p)[1:] for p in images])
     with pytest.raises(RuntimeError, match="the encoder made .* embeddings for an image the recipe counts as"):
-        _encode_images(engine, prep)
+        _encode_images(engine, [prep])
 
 
 def test_image_requests_on_a_mesh_give_the_same_records(tmp_path, tiny_vision_model_dir):
@@ -197,3 +200,63 @@ def test_image_requests_on_a_mesh_give_the_same_records(tmp_path, tiny_vision_mo
         outs.append(sorted((canonical(r) for r in records(out)), key=lambda r: r["custom_id"]))
     assert all(r["response"]["status_code"] == 200 for r in outs[0])
     assert outs[0] == outs[1]
+
+
+def test_image_requests_on_a_v41_checkpoint(tmp_path, tiny_v41_vision_dir, listener):
+    """A release-layout V4.1 checkpoint reads images with the release's encoder through `dsjax generate`:
+    data URLs and local files, prompt usage equal to the recipe's count, error records for a refused and an
+    undecodable image. The first answer token's logprob equals the model's own full forward with the
+    encoder's rows spliced into the prompt (so the engine's batched encoding, chunked spliced prefill and
+    image routing are those of the model)."""
+    from flax import nnx
+
+    import dsjax
+    from dsjax.batch.images import inline_local_images
+    from dsjax.batch.jobfile import InputLine
+    from dsjax.batch.recipe import Recipe
+    from dsjax.engine.encoder import encode_images
+    from dsjax.engine.pixels import decode_image
+    from dsjax.engine.steps import StaticGraph
+
+    port, hits = listener
+    small, wide = _png(40, 30, 1), _png(300, 120, 2)
+    (tmp_path / "wide.png").write_bytes(wide)
+    no_think = dict(thinking={"type": "disabled"}, logprobs=True)
+    items = [chat("one", [{"type": "text", "text": "the cat"}, image_part(_data_url(small))], **no_think),
+             chat("two", [image_part("wide.png"), {"type": "text", "text": "and"}, image_part(_data_url(small))],
+                  **no_think),
+             chat("text", "the dog sat", **no_think),
+             chat("refused", [image_part(f"http://127.0.0.1:{port}/a.png")]),
+             chat("undecodable", [image_part("data:image/png;base64," + base64.b64encode(b"not a png").decode())])]
+    items = [{**i, "body": {**i["body"], "model": M}} for i in items]
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
+    out = str(tmp_path / "out.jsonl")
+    assert main(["generate", "--model", tiny_v41_vision_dir, "--input", inp, "--output", out, "--slots", "2",
+                 "--max-len", "1024", "--chunk-size", "64", "--dtype", "float32", "--quiet"]) == 0
+    recs = {r["custom_id"]: r for r in records(out)}
+    assert {cid: (r["error"] or {}).get("code") for cid, r in recs.items()} == {
+        "one": None, "two": None, "text": None, "refused": "image_refused", "undecodable": "invalid_image"}
+    assert hits == []
+    tokenizer = f"{tiny_v41_vision_dir}/tokenizer.json"
+    recipe = Recipe(tokenizer, 1024, (1,), vision=dsjax.load_model(tiny_v41_vision_dir).cfg.vision)
+    for cid in ("one", "two", "text"):
+        body = json.loads(json.dumps(items[[i["custom_id"] for i in items].index(cid)]["body"]))
+        body = inline_local_images(body, str(tmp_path), 1 << 24)
+        assert recs[cid]["response"]["body"]["usage"]["prompt_tokens"] == recipe_prompt_tokens(
+            body, tokenizer, "/v1/chat/completions")
+    # The engine's first answer token against the model's full forward with the encoder's rows spliced in.
+    model = dsjax.load_model(tiny_v41_vision_dir)
+    prep = recipe.prepare(InputLine(1, "two", "/v1/chat/completions",
+                                    inline_local_images(items[1]["body"], str(tmp_path), 1 << 24)))
+    ids = np.asarray(prep.prompt)[None]
+    embeds = np.array(model.embed_tokens(ids))
+    image = np.zeros(ids.shape, bool)
+    graphdef, params = nnx.split(model)
+    for span in prep.images:
+        rows = encode_images(model, StaticGraph(graphdef), params, [decode_image(span.data, model.cfg.vision)])[0]
+        embeds[0, span.start:span.start + span.length] = rows
+        image[0, span.start:span.start + span.length] = True
+    logits = np.asarray(model.forward(ids, image, embeds=embeds))[0, -1]
+    logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    first = recs["two"]["response"]["body"]["choices"][0]["logprobs"]["content"][0]
+    assert first["logprob"] == pytest.approx(float(logprobs.max()), abs=1e-4)
