@@ -1,16 +1,20 @@
 """An OpenAI Batch input of N chat requests, for timing `dsjax generate` end to end.
 
     python scripts/make_requests.py OUT.jsonl --count 512 [--model DeepSeek-V4-Pro] [--words 200]
-        [--max-tokens 64] [--seed 0]
+        [--max-tokens 64] [--seed 0] [--images 546x546 1036x770 ...]
 
 Each request asks about a different run of random words (prompts of about `--words` words, varied ±50%),
 with thinking off and `temperature` 0.7, so every request samples and none is cut short by a stop token
-more often than the model makes one.
+more often than the model makes one. With `--images W×H ...`, each request also carries one random picture
+(a PNG data URL, smooth colours plus noise) before its text, the sizes taken in turn: for models that
+read images.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import random
 import sys
@@ -19,14 +23,47 @@ _WORDS = ("alpha beta gamma delta river stone light cloud paper engine garden wi
           "lantern copper meadow signal harbor thread forest marble candle winter summer ladder bridge").split()
 
 
-def requests(count: int, model: str, words: int, max_tokens: int, seed: int):
+def picture(width: int, height: int, seed: int) -> str:
+    """A random W×H picture as a PNG data URL: a colour gradient with a few soft blobs and pixel noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    pixels = 128 + 100 * (x[..., None] * rng.uniform(-1, 1, 3) + y[..., None] * rng.uniform(-1, 1, 3))
+    for cx, cy, r, colour in zip(rng.uniform(0, 1, 4), rng.uniform(0, 1, 4), rng.uniform(0.05, 0.3, 4),
+                                 rng.uniform(-80, 80, (4, 3))):
+        pixels += colour * np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / r ** 2)[..., None]
+    pixels += rng.normal(0, 8, pixels.shape)
+    out = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def requests(count: int, model: str, words: int, max_tokens: int, seed: int,
+             images: list[tuple[int, int]] | None = None):
     rng = random.Random(seed)
     for i in range(count):
         n = max(1, int(words * rng.uniform(0.5, 1.5)))
-        text = " ".join(rng.choice(_WORDS) for _ in range(n))
+        text = f"Summarise: {' '.join(rng.choice(_WORDS) for _ in range(n))}"
+        content = text
+        if images:
+            url = picture(*images[i % len(images)], seed=seed * 1_000_003 + i)
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
         yield {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-               "body": {"model": model, "messages": [{"role": "user", "content": f"Summarise: {text}"}],
+               "body": {"model": model, "messages": [{"role": "user", "content": content}],
                         "max_tokens": max_tokens, "temperature": 0.7, "thinking": {"type": "disabled"}}}
+
+
+def size(text: str) -> tuple[int, int]:
+    """`W×H` or `WxH` → (W, H)."""
+    try:
+        w, h = (int(v) for v in text.lower().replace("×", "x").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 640x480") from None
+    if not (0 < w <= 8192 and 0 < h <= 8192):
+        raise argparse.ArgumentTypeError(f"{text!r}: sides must be 1 to 8192 pixels")
+    return w, h
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,13 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--words", type=int, default=200, help="prompt words (about 1.3 tokens each)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--images", nargs="+", type=size, metavar="WxH",
+                   help="one random picture per request, of these sizes in turn")
     args = p.parse_args(argv)
     if args.count < 1 or args.words < 1 or args.max_tokens < 1:
         p.error("--count, --words and --max-tokens must be positive")
     with open(args.out, "w") as f:
-        for r in requests(args.count, args.model, args.words, args.max_tokens, args.seed):
+        for r in requests(args.count, args.model, args.words, args.max_tokens, args.seed, args.images):
             f.write(json.dumps(r) + "\n")
-    print(f"{args.out}: {args.count} requests for {args.model!r}")
+    pictures = f", each with a picture ({len(args.images)} sizes)" if args.images else ""
+    print(f"{args.out}: {args.count} requests for {args.model!r}{pictures}")
     return 0
 
 

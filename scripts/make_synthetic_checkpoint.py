@@ -10,7 +10,8 @@ preset's, cut or extended with its last layer kind. A DeepSeek-V4.1 preset (`tin
 written in its release layout (`write_synthetic_v41`: DSpark and image-encoder tensors included) with its
 whole layer schedule, or `--layers L0,L1,...` of its layers in their roles (as `dsjax bench` slices it); the
 tiny one with its word-level tokenizer.json (V4.1's special tokens added, for `dsjax generate`), the full one
-with DeepSeek's.
+with DeepSeek's. `--vision PRESET` gives a V4.1 preset another V4.1 preset's image encoder (`--preset tiny-v4.1
+--vision v4.1-flash`: the tiny text model reading images through the release-size encoder).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int)
     ap.add_argument("--shard-mb", type=float, default=4096, help="shard size in MB (default 4096)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vision", help="V4.1 only: the image encoder of this V4.1 preset (e.g. v4.1-flash)")
     args = ap.parse_args(argv)
     try:
         if os.path.exists(args.out):
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         if is_v41(PRESETS.get(args.preset, {})):
             return _v41(args, t)
+        if args.vision:
+            raise ValueError("--vision takes a V4.1 preset's encoder into a V4.1 preset")
         cfg = sized(ModelConfig.preset(args.preset), None if args.layers is None else int(args.layers), args.experts)
         weight_map = write_synthetic(args.out, cfg, max_shard_bytes=int(args.shard_mb * 1e6), seed=args.seed)
     except ValueError as e:
@@ -87,6 +91,14 @@ def _v41(args, t: float) -> int:
         cfg = v41_slice(cfg, [int(x) for x in args.layers.split(",")])
     if args.experts is not None:
         cfg = cfg.replace(n_routed_experts=args.experts)
+    if args.vision:
+        if not is_v41(PRESETS.get(args.vision, {})):
+            raise ValueError(f"--vision {args.vision!r} is not a V4.1 preset; choose from "
+                             f"{sorted(k for k, v in PRESETS.items() if is_v41(v))}")
+        vision = V41Config.preset(args.vision).vision
+        if vision is None:
+            raise ValueError(f"the {args.vision} preset has no image encoder")
+        cfg = cfg.replace(vision=vision)
     tokenizer = None
     if cfg.vocab_size == 256:
         tokenizer = word_level_tokenizer(tiny_v41_vocabulary(), special_token_strings())

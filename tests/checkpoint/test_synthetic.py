@@ -76,3 +76,23 @@ def test_script_sizes_the_preset(tmp_path):
     again = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_checkpoint.py"), str(out)],
                            capture_output=True, text=True)
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_script_gives_a_v41_preset_another_presets_encoder(tmp_path):
+    """`--vision v4.1-flash`: the tiny V4.1 text model with the release-size encoder (what the H200's image job
+    runs); a V4 preset or a preset without an encoder is refused by name."""
+    from dsjax.config_v41 import V41Config
+
+    script = [sys.executable, str(ROOT / "scripts" / "make_synthetic_checkpoint.py")]
+    out = tmp_path / "v41"
+    proc = subprocess.run([*script, str(out), "--preset", "tiny-v4.1", "--vision", "tiny-v4.1-vision"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = dsjax.load_model(out).cfg
+    assert cfg.vision == V41Config.preset("tiny-v4.1-vision").vision and cfg.hidden_size == 64
+    for args, message in ((["--preset", "tiny-v4.1", "--vision", "tiny"], "'tiny' is not a V4.1 preset"),
+                          (["--preset", "tiny-v4.1", "--vision", "tiny-v4.1"], "has no image encoder"),
+                          (["--preset", "tiny", "--vision", "v4.1-flash"], "into a V4.1 preset")):
+        bad = subprocess.run([*script, str(tmp_path / "x"), *args], capture_output=True, text=True)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert not (tmp_path / "x").exists()

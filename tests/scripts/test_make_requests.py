@@ -22,3 +22,29 @@ def test_requests_are_distinct_valid_lines(tmp_path):
     assert len({json.dumps(x.body["messages"]) for x in lines}) == 20
     with pytest.raises(SystemExit):
         make.main([str(out), "--count", "0"])
+
+
+def test_requests_carry_pictures_of_the_given_sizes(tmp_path):
+    """`--images`: one PNG data URL per request before its text, the sizes in turn, distinct pictures; a size
+    that is not W×H is refused."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = tmp_path / "in.jsonl"
+    assert make.main([str(out), "--count", "5", "--words", "4", "--images", "64x48", "30×90"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    seen = set()
+    for i, row in enumerate(rows):
+        image, text = row["body"]["messages"][0]["content"]
+        assert image["type"] == "image_url" and text["type"] == "text" and text["text"].startswith("Summarise: ")
+        head, data = image["image_url"]["url"].split(",", 1)
+        assert head == "data:image/png;base64"
+        with Image.open(io.BytesIO(base64.b64decode(data))) as img:
+            assert img.size == [(64, 48), (30, 90)][i % 2] and img.mode == "RGB"
+            seen.add(img.tobytes())
+    assert len(seen) == 5
+    for bad in ("64", "0x10", "axb"):
+        with pytest.raises(SystemExit):
+            make.main([str(out), "--count", "1", "--images", bad])
