@@ -131,8 +131,27 @@ class QuantConfig:
                 "expert_dtype": self.expert_dtype}
 
 
+class ImageGrid:
+    """The image-token contract both image encoders keep with deepseek-recipe: a W×H image (sides multiples
+    of `patch_size`) is cut into cells of `merge_size`² patches, each one decoder embedding, and its span
+    is `rows·(cols + 1) + 2` embeddings (a row end per row, a start and an end)."""
+
+    patch_size: int
+    merge_size: int
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) of cells for a preprocessed W×H image."""
+        cell = self.patch_size * self.merge_size
+        return -(-height // cell), -(-width // cell)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """Prompt positions of a preprocessed W×H image: its cells, a row end per row, start and end."""
+        rows, cols = self.grid(width, height)
+        return rows * (cols + 1) + 2
+
+
 @dataclasses.dataclass(frozen=True)
-class VisionConfig:
+class VisionConfig(ImageGrid):
     """The embedded demo model's image encoder (HF `vision_config`; dsjax's design, made before V4.1's
     encoder was public: `layers/demo_vision.py`; V4.1's is `config_v41.V41VisionConfig`): a ViT over
     `patch_size`-pixel patches with 2-D rotary positions, whose `merge_size`² neighbouring patches are
@@ -181,15 +200,6 @@ class VisionConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def grid(self, width: int, height: int) -> tuple[int, int]:
-        """(rows, cols) of merged cells for a preprocessed W×H image."""
-        cell = self.patch_size * self.merge_size
-        return -(-height // cell), -(-width // cell)
-
-    def image_tokens(self, width: int, height: int) -> int:
-        """Decoder embeddings the encoder gives a preprocessed W×H image."""
-        rows, cols = self.grid(width, height)
-        return rows * (cols + 1) + 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from dsjax.config import ConfigError, QuantConfig, RopeConfig, _Fields, _convert, _read_config
+from dsjax.config import ConfigError, ImageGrid, QuantConfig, RopeConfig, _Fields, _convert, _read_config
 
 SLIDING_ONLY = "sliding"
 FULL = "full"  # owns a compressor and index keys, selects its own top-k
@@ -37,7 +37,7 @@ class LayerRole:
 
 
 @dataclasses.dataclass(frozen=True)
-class V41VisionConfig:
+class V41VisionConfig(ImageGrid):
     """The release's `vision_config` (the ViT and its image sizing); `num_hidden_layers` 0 means text only."""
 
     num_hidden_layers: int = 32
@@ -89,16 +89,6 @@ class V41VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    def grid(self, width: int, height: int) -> tuple[int, int]:
-        """(rows, cols) of cells for a preprocessed W×H image (sides multiples of the patch size)."""
-        cell = self.patch_size * self.downsample_ratio
-        return -(-height // cell), -(-width // cell)
-
-    def image_tokens(self, width: int, height: int) -> int:
-        """Prompt positions of a preprocessed W×H image: its cells, a newline per row, start and end."""
-        rows, cols = self.grid(width, height)
-        return rows * (cols + 1) + 2
 
 
 @dataclasses.dataclass(frozen=True)
