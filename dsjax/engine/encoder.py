@@ -33,7 +33,7 @@ def encode_cells(graphdef, fused: bool, params, patches_bnk, row_bn, col_bn, val
 def fused_vision(model) -> bool:
     """Whether `model`'s encoder attention goes through cuDNN's fused kernel: on NVIDIA GPUs, for heads
     it takes. Chosen here and not by `platform_dependent`: tracing the cuDNN call needs cuDNN present."""
-    weight = jax.tree.leaves(nnx.state(model.vision, nnx.Param))[0]
+    weight = model.vision.patch_weight
     return all(d.platform == "gpu" for d in weight.devices()) and fused_attention_fits(
         weight.dtype, model.cfg.vision.head_dim)
 

@@ -74,6 +74,11 @@ class DemoVisionEncoder(nnx.Module):
         self.image_begin = nnx.Param((std * jax.random.normal(rngs.params(), (out,))).astype(dtype))
         self.image_end = nnx.Param((std * jax.random.normal(rngs.params(), (out,))).astype(dtype))
 
+    @property
+    def patch_weight(self) -> jax.Array:
+        """The patch embedding's weight: its dtype is the encoder's compute dtype, its devices the encoder's."""
+        return self.patch_embed.weight[...]
+
     def cells(self, patches_nk: jax.Array, row_n: jax.Array, col_n: jax.Array, valid_n: jax.Array,
               query_block: int = QUERY_BLOCK, fused: bool = False) -> jax.Array:
         """`engine.pixels.patchify`'s arrays (N patches, cell by cell) → one embedding per cell
@@ -84,7 +89,7 @@ class DemoVisionEncoder(nnx.Module):
         v = self.vision
         if patches_nk.shape[0] % v.merge_size ** 2:
             raise ValueError(f"{patches_nk.shape[0]} patches do not make whole cells of {v.merge_size ** 2}")
-        dtype = self.patch_embed.weight[...].dtype
+        dtype = self.patch_weight.dtype
         if fused and not fused_attention_fits(dtype, v.hidden_size // v.num_heads):
             raise ValueError(f"cuDNN's fused attention does not take {jnp.dtype(dtype).name} heads of "
                              f"{v.hidden_size // v.num_heads} channels")

@@ -95,13 +95,18 @@ class ViT(nnx.Module):
         self.blocks = nnx.List([ViTBlock(v, rngs=rngs, dtype=dtype) for _ in range(v.num_hidden_layers)])
         self.norm = RMSNorm(v.hidden_size, NORM_EPS)
 
+    @property
+    def patch_weight(self) -> jax.Array:
+        """The patch embedding's weight: its dtype is the encoder's compute dtype, its devices the encoder's."""
+        return self.patch_embed.proj.weight[...]
+
     def __call__(self, patches_bnk: jax.Array, row_bn: jax.Array, col_bn: jax.Array, valid_bn: jax.Array,
                  query_block: int = QUERY_BLOCK, fused: bool = False) -> jax.Array:
         """Features `[B, N, width]` of patches in any order (each carries its grid position); padding
         patches' features are zero. `fused`: cuDNN's fused attention (NVIDIA GPUs; `fused_attention_fits`),
         the valid patches moved first for it and back after."""
         v = self.config
-        dtype = self.patch_embed.proj.weight[...].dtype
+        dtype = self.patch_weight.dtype
         head_dim = v.hidden_size // v.num_attention_heads
         n_valid_b = None
         if fused:

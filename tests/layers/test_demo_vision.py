@@ -204,3 +204,19 @@ def test_cudnn_attention_gives_the_blocked_attentions_cells():
 
     model = dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     assert fused_vision(model)
+
+
+def test_patch_weight_gives_the_compute_dtype_of_a_bf16_model():
+    """`fused_vision` reads the encoder's compute dtype from its patch embedding: in a bf16 model that is bf16
+    although its norms keep float32 weights (the first parameter of the tree is such a norm)."""
+    import dsjax
+    from dsjax.config_v41 import V41Config
+    from dsjax.model_v41 import DeepseekV41
+
+    demo = dsjax.DeepseekV4(ModelConfig.preset("tiny-vision"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    v41 = DeepseekV41(V41Config.preset("tiny-v4.1-vision"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    for model in (demo, v41):
+        assert model.vision.patch_weight.dtype == jnp.bfloat16
+        assert not fused_vision(model)  # CPU
+    leaves = jax.tree.leaves(nnx.state(demo.vision, nnx.Param))
+    assert leaves[0].dtype == jnp.float32
