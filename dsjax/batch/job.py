@@ -529,9 +529,11 @@ def _done_on_process_0(cfg: JobConfig, results) -> Callable[[InputLine], bool]:
 
 def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Callable[[], float],
          check_stop: Callable[[], None], compile_all: Callable[[int, int], None], pending: int) -> None:
-    """The generation loop. The first window of requests is read, prepared and its images encoded before
-    `compile_all(first, later)` is told how many requests are ready (`first`) and how many more may come
-    (`later`): the prefill programs it compiles are those row counts can take."""
+    """The generation loop. The first window of requests is read and prepared before `compile_all(first,
+    later)` is told how many requests are ready (`first`) and how many more may come (`later`): the
+    prefill programs it compiles are those row counts can take. Images are encoded as the scheduler takes
+    their requests, `IMAGE_REQUESTS` at a time, not a window at a time: the first results do not wait for
+    a whole window's images, and no more embeddings are held than the requests in flight need."""
     preps: dict[int, Prepared] = {}  # requests handed to the scheduler and not finished yet
     streams = {}
     next_index = itertools.count()
@@ -544,7 +546,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
 
     read = [0]  # lines not done before, read so far
 
-    def windows() -> Iterator[list[Request]]:
+    def windows() -> Iterator[list[Prepared]]:
         window: list[Prepared] = []
         for line in read_lines(cfg.input):
             check_stop()
@@ -562,17 +564,18 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
                 continue
             window.append(prep)
             if len(window) >= cfg.window:
-                yield list(order(window))
+                yield window
                 window = []
-        yield list(order(window))
+        yield window
 
     def requests() -> Iterator[Request]:
         batches = windows()
         first = next(batches)
+        # `first` counts requests whose images may yet fail to decode: an upper bound is what compile_all needs.
         compile_all(len(first), len(first) - min(len(first), cfg.run.slots) + pending - read[0])
-        yield from first
+        yield from order(first)
         for batch in batches:
-            yield from batch
+            yield from order(batch)
 
     def order(window: list[Prepared]) -> Iterator[Request]:
         # Longest prompts first keeps slots busy; no result depends on the order.

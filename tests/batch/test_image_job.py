@@ -260,3 +260,28 @@ def test_image_requests_on_a_v41_checkpoint(tmp_path, tiny_v41_vision_dir, liste
     logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
     first = recs["two"]["response"]["body"]["choices"][0]["logprobs"]["content"][0]
     assert first["logprob"] == pytest.approx(float(logprobs.max()), abs=1e-4)
+
+
+def test_images_are_encoded_as_their_requests_enter_the_scheduler(tmp_path, tiny_vision_model_dir, monkeypatch):
+    """Twenty image requests in one window on 4 slots: the encoder takes `IMAGE_REQUESTS` requests at a time as
+    the scheduler admits them, so the first results are written before the last images are encoded (a whole
+    window's embeddings are never held at once), and its compiles count as the generation's."""
+    from dsjax.batch import job
+
+    items = [chat(f"r{i}", [{"type": "text", "text": "Which?"}, image_part(_data_url(_png(40 + 14 * (i % 3), 30, i)))])
+             for i in range(20)]
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
+    out = tmp_path / "out.jsonl"
+    calls = []
+    encode = job._encode_images
+
+    def counted(engine, preps):
+        calls.append((len(preps), len(records(out)) if out.exists() else 0))
+        return encode(engine, preps)
+
+    monkeypatch.setattr(job, "_encode_images", counted)
+    summary = run_job(JobConfig(model=tiny_vision_model_dir, input=inp, output=str(out), **JOB))
+    assert summary["requests_ok"] == 20
+    assert [n for n, _ in calls] == [8, 8, 4]
+    assert calls[0][1] == 0 and calls[-1][1] > 0, calls
+    assert summary["programs_compiled_during_generation"] >= 1
