@@ -584,3 +584,36 @@ def test_a_v41_checkpoint_runs_the_job_in_its_own_format_with_the_packed_cache(t
     capsys.readouterr()
     assert main(argv) == 0
     assert open(out).read() == before and "0 ok, 0 failed, 4 already done" in capsys.readouterr().out
+
+
+def test_requests_are_prepared_on_a_pool_of_threads(tmp_path, tiny_model_dir, monkeypatch):
+    """The recipe's preparation (image resolution above all) runs on `PREPARE_THREADS` threads, several
+    requests at once; bad lines and rejected requests still get their error records, every line one record."""
+    import threading
+
+    from dsjax.batch import job
+    from dsjax.batch.recipe import Recipe
+
+    monkeypatch.setattr(job, "PREPARE_THREADS", 4)
+    prepare, running, seen = Recipe.prepare, [0], []
+    lock = threading.Lock()
+
+    def slow(self, line):
+        with lock:
+            running[0] += 1
+            seen.append((threading.current_thread().name, running[0]))
+        time.sleep(0.1)
+        with lock:
+            running[0] -= 1
+        return prepare(self, line)
+
+    monkeypatch.setattr(Recipe, "prepare", slow)
+    items = [chat(f"r{i}", [{"role": "user", "content": f"Say {i}"}], max_tokens=2) for i in range(12)]
+    items[5] = "{not json"
+    items[7] = chat("r7", [{"role": "user", "content": "x"}], max_tokens=2, model="unknown-model")
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
+    summary = run_job(JobConfig(model=tiny_model_dir, input=inp, output=str(tmp_path / "out.jsonl"), **JOB))
+    assert (summary["requests_ok"], summary["requests_failed"]) == (10, 2)
+    assert len(records(tmp_path / "out.jsonl")) == 12
+    assert len(seen) == 11 and all(name.startswith("dsjax-prepare") for name, _ in seen)
+    assert max(n for _, n in seen) > 1
