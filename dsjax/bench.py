@@ -41,7 +41,7 @@ from dsjax.model_v41 import DeepseekV41
 from dsjax.presets import PRESETS
 from dsjax.run_config import RunConfig
 
-PARTS = ("attention", "indexer", "moe", "collectives", "rest")
+PARTS = ("attention", "indexer", "topk", "moe", "collectives", "rest")
 # Collectives by HLO instruction (all-to-all.3, all-gather-start.1, ...); NCCL's kernels by name.
 _COLLECTIVE = re.compile(r"(?:ragged[-_])?(?:all[-_]to[-_]all|all[-_]gather|all[-_]reduce|reduce[-_]scatter|"
                          r"collective[-_]permute)")
@@ -231,6 +231,20 @@ def _layer_flops_per_token(cfg: ModelConfig, attention_type: str, context: int) 
     return 4 * cfg.num_attention_heads * cfg.head_dim * rows + 2 * cfg.index_n_heads * cfg.index_head_dim * keys
 
 
+def _prompt_flops(cfg: ModelConfig, attention_type: str, prompt_len: int) -> float:
+    """`_layer_flops_per_token` summed over a prompt's queries at contexts 1 … prompt_len (vectorised: a
+    1M-token prompt has a million of them)."""
+    ctx = np.arange(1, prompt_len + 1, dtype=np.int64)
+    rows, keys = np.minimum(cfg.sliding_window, ctx), np.zeros_like(ctx)
+    if attention_type == HCA:
+        rows = rows + ctx // cfg.compress_rate_hca
+    elif attention_type == CSA:
+        keys = ctx // cfg.compress_rate_csa
+        rows = rows + np.minimum(cfg.index_topk, keys)
+    return float(4 * cfg.num_attention_heads * cfg.head_dim * rows.sum()
+                 + 2 * cfg.index_n_heads * cfg.index_head_dim * keys.sum())
+
+
 def roofline(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, rates: DeviceRates,
              kv_dtype: str | None = None) -> dict:
     """The least time the device needs for the prefill of `batch` prompts of `prompt_len` tokens and
@@ -262,7 +276,7 @@ def roofline(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, rates
     decode_weight_bytes = dense + experts * touched_experts(cfg, batch) + emb_row * batch
     decode_bytes = decode_weight_bytes + batch * cache_read
     decode_flops = batch * (2 * active_elems + attn_flops)
-    prompt_attn = sum(_layer_flops_per_token(cfg, t, p) for t in cfg.layer_types for p in range(1, prompt_len + 1))
+    prompt_attn = sum(_prompt_flops(cfg, t, prompt_len) for t in cfg.layer_types)
     prefill_flops = batch * (2 * active_elems * prompt_len + prompt_attn)
     cache_written = batch * sum(_cache_read_bytes(cfg, t, prompt_len, dtype, kv_dtype) for t in cfg.layer_types)
     prefill_bytes = dense + experts * touched_experts(cfg, batch * prompt_len) + cache_written
@@ -376,7 +390,8 @@ def _kernel_name(name: str) -> str:
 
 def _part_of(op_name: str) -> str:
     scopes = op_name.split("/")
-    for part in ("indexer", "attention", "moe"):  # innermost first: the indexer runs inside attention
+    # Innermost first: the indexer's top-k pick runs inside the indexer, the indexer inside attention.
+    for part in ("topk", "indexer", "attention", "moe"):
         if part in scopes:
             return part
     return "rest"
@@ -508,7 +523,58 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, r
         out["prefill_of_roofline"] = roof["prefill_s"] / prefill_s
     if breakdown:
         out["decode_parts_s"] = decode_breakdown(engine, batch, prompt_len, seed=seed, trace_dir=trace_dir)
+        out["prefill_parts_s"] = prefill_breakdown(engine, batch, prompt_len, seed=seed,
+                                                   trace_dir=trace_dir and os.path.join(trace_dir, "prefill"))
     return out
+
+
+def _without_command_buffers(lowered: jax.stages.Lowered):
+    """`lowered` compiled so that every GPU kernel carries its HLO instruction in a profiler trace: XLA
+    otherwise replays runs of kernels as CUDA graphs, which the trace names only by their graph. Kernel
+    times are the same."""
+    if jax.default_backend() == "gpu":
+        return lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
+    return lowered.compile()
+
+
+def prefill_chunks(engine: Engine, compiled, cache, prompts: np.ndarray):
+    """Prefill `prompts [n, L]` into slots 0 … n − 1 of `cache` from position 0 through `compiled` (the
+    engine's text-only prefill chunk of n rows, `Engine.lower_prefill`), chunk by chunk as
+    `Engine.prefill` runs them; returns (cache, logits `[slots, vocab]`), the logits after each prompt."""
+    n, length = prompts.shape
+    c = engine.chunk_size
+    logits = jnp.zeros((engine.num_slots, engine.cfg.vocab_size), jnp.float32)
+    slots = jnp.arange(n, dtype=jnp.int32)
+    for k in range(-(-length // c)):
+        tokens = np.zeros((n, c), np.int32)
+        part = prompts[:, k * c:(k + 1) * c]
+        tokens[:, :part.shape[1]] = part
+        start = jnp.full((n,), k * c, jnp.int32)
+        n_valid = jnp.full((n,), part.shape[1], jnp.int32)
+        ends = jnp.full((n,), (k + 1) * c >= length)
+        cache, logits, _ = compiled(engine.params, cache, logits, jnp.asarray(tokens), slots, start, n_valid, ends,
+                                    None)
+    return cache, logits
+
+
+def prefill_breakdown(engine: Engine, batch: int, prompt_len: int, seed: int = 0,
+                      trace_dir: str | None = None) -> dict:
+    """Seconds of each part (`attribute_trace`: attention, indexer scores, its top-k, MoE, the rest) in the
+    whole prefill of `batch` random prompts of `prompt_len` tokens into an empty cache, chunk by chunk
+    through the engine's prefill program; `chunks` says how many. {} on CPU (its traces have no kernel
+    events). `trace_dir` keeps the profiler trace."""
+    if jax.default_backend() == "cpu":
+        return {}
+    prompts = np.random.default_rng(seed).integers(0, engine.cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
+    compiled = _without_command_buffers(engine.lower_prefill(engine.new_cache(), batch))
+    warm, _ = prefill_chunks(engine, compiled, engine.new_cache(), prompts[:, :engine.chunk_size])
+    del warm  # the first run of the program, outside the trace
+    cache = engine.new_cache()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = trace_dir or tmp
+        with jax.profiler.trace(d):
+            jax.block_until_ready(prefill_chunks(engine, compiled, cache, prompts))
+        return attribute_trace(d, compiled.as_text(), 1) | {"chunks": -(-prompt_len // engine.chunk_size)}
 
 
 def decode_breakdown(engine: Engine, batch: int, context: int, steps: int = 8, seed: int = 0,
@@ -529,10 +595,7 @@ def decode_breakdown(engine: Engine, batch: int, context: int, steps: int = 8, s
     cache, _ = engine.decode(cache, tokens[-1], active, sampling)  # compiled already; warms the caches
     jax.block_until_ready(cache)
     lowered = engine.lower_decode(cache, tokens[0], active)
-    # On GPUs XLA replays runs of kernels as CUDA graphs, whose kernels the trace names only by their
-    # graph; compiled without them, every kernel carries its HLO instruction. Kernel times are the same.
-    options = {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
-    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+    compiled = _without_command_buffers(lowered)
     with tempfile.TemporaryDirectory() as tmp:
         d = trace_dir or tmp
         cache, _, _ = compiled(engine.params, cache, tokens[0], active)  # first run outside the trace
@@ -563,19 +626,26 @@ def format_report(row: dict) -> str:
                      f"{row['roofline_decode_step_flops'] / 1e12:.3f} TFLOP) → {100 * row['decode_of_roofline']:.1f}% "
                      f"reached; prefill {row['roofline_prefill_s'] * 1e3:.1f} ms → "
                      f"{100 * row['prefill_of_roofline']:.1f}%")
-    parts = row.get("decode_parts_s")
-    if parts:
-        busy = sum(parts.get(k, 0.0) for k in (*PARTS, "unattributed"))
-        lines.append("  decode step by part (device kernels): " + ", ".join(
-            f"{k} {parts[k] * 1e3:.3f} ms" for k in (*PARTS, "unattributed") if parts.get(k))
-            + f"; {parts['kernels_per_step']:.0f} kernels, busy {busy * 1e3:.2f} of "
-            f"{row['decode_step_s'] * 1e3:.2f} ms" + (f" (mean of {parts['devices']} devices)"
-                                                   if parts.get("devices", 1) > 1 else ""))
-        for name, sec in parts.get("top_kernels", {}).items():
-            lines.append(f"    {sec * 1e3:8.3f} ms  {name}")
-    elif parts is not None:
-        lines.append("  decode step by part: this backend's profiler trace has no device kernels")
+    lines += _parts_lines("decode step", row.get("decode_parts_s"), row["decode_step_s"])
+    lines += _parts_lines("prefill", row.get("prefill_parts_s"), row["prefill_s"])
     return "\n".join(lines)
+
+
+def _parts_lines(what: str, parts: dict | None, wall_s: float) -> list[str]:
+    if parts is None:
+        return []
+    if not parts:
+        return [f"  {what} by part: this backend's profiler trace has no device kernels"]
+    busy = sum(parts.get(k, 0.0) for k in (*PARTS, "unattributed"))
+    per = "step" if what.startswith("decode") else "prefill"
+    lines = [f"  {what} by part (device kernels): " + ", ".join(
+        f"{k} {parts[k] * 1e3:.3f} ms" for k in (*PARTS, "unattributed") if parts.get(k))
+        + f"; {parts['kernels_per_step']:.0f} kernels per {per}, busy {busy * 1e3:.2f} of {wall_s * 1e3:.2f} ms"
+        + (f" ({parts['chunks']} chunks)" if "chunks" in parts else "")
+        + (f" (mean of {parts['devices']} devices)" if parts.get("devices", 1) > 1 else "")]
+    for name, sec in parts.get("top_kernels", {}).items():
+        lines.append(f"    {sec * 1e3:8.3f} ms  {name}")
+    return lines
 
 
 def bench(model: DeepseekV4, batches: Sequence[int], prompt_len: int, gen_len: int, *, run: RunConfig,

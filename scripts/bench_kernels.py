@@ -11,6 +11,7 @@ overhead cancel; host jitter only adds time, so the fastest call is kept). For s
     python scripts/bench_kernels.py attention --batch 1 64 256 --context 4096 131072 1048576
     python scripts/bench_kernels.py tune --batch 64 --context 131072
     python scripts/bench_kernels.py indexer --batch 1 64 --context 131072
+    python scripts/bench_kernels.py prefill-indexer --context 131072 1048576 --chunk 2048 --block-q 2 4 8
     dsjax export --preset tiny-kernels --platform cuda --weights bf16 --out build/export-cuda   # (on CPU)
     python scripts/bench_kernels.py export --artifact build/export-cuda
     ncu --clock-control none --kernel-name regex:dsjax --metrics gpu__time_duration.sum --csv \
@@ -253,6 +254,65 @@ def bench_indexer(args, cfg, bandwidth):
     return rows
 
 
+def bench_prefill_indexer(args, cfg, bandwidth):
+    """A prefill chunk's indexer at long context: the chunk kernel's scores (each tiling) against the
+    reference's, then the top-k pick of them, one `lax.top_k` against `layers.topk`'s two steps. The
+    chunk's queries sit at the context's end (each sees about context / 4 keys). The picks of a few
+    queries from the kernel's scores are compared with the reference's (the reference materialises
+    `[C, heads, T]`, so only a few queries fit at 1M)."""
+    from dsjax.kernels.indexer.reference import index_scores_chunk_reference
+    from dsjax.kernels.indexer.triton import index_scores_chunk_gpu
+    from dsjax.layers.topk import top_picks
+
+    rows = []
+    nh, c, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+    scale = c ** -0.5
+    for context, chunk in itertools.product(args.context, args.chunk):
+        t = context // cfg.compress_rate_csa
+        keys = jax.random.normal(jax.random.key(0), (1, t, c), jnp.bfloat16)
+        lens = jnp.asarray(((context - chunk + np.arange(chunk) + 1) // cfg.compress_rate_csa)[None], jnp.int32)
+        flops = 2 * nh * c * int(np.asarray(lens).sum())
+
+        def make_set(i, n=chunk):
+            kq, kw = jax.random.split(jax.random.key(1000 + i))
+            return (jax.random.normal(kq, (1, n, nh, c), jnp.bfloat16), jax.random.normal(kw, (1, n, nh), jnp.float32))
+
+        few, many = 2, 5
+        t_ref = float("nan")
+        if chunk * nh * t * 4 <= args.reference_bytes and not args.no_reference:
+            t_ref = timed(lambda keys, lens, q, w: index_scores_chunk_reference(q, w, keys, lens, scale), make_set,
+                          (keys, lens), few=few, many=many)
+        check = min(chunk, max(1, args.reference_bytes // (nh * t * 4)))
+        q, w = make_set(0)
+        want = jax.jit(lambda q, w: top_picks(index_scores_chunk_reference(q, w, keys, lens[:, -check:], scale), k))(
+            q[:, -check:], w[:, -check:])
+        for block_q, block_t, tiles, warps in itertools.product(args.block_q, args.block_t, args.tiles, args.num_warps):
+            def kernel(keys, lens, q, w, block_q=block_q, block_t=block_t, tiles=tiles, warps=warps):
+                return index_scores_chunk_gpu(q, w, keys, lens, scale, block_q=block_q, block_t=block_t, tiles=tiles,
+                                              num_warps=warps, interpret=args.interpret)
+
+            try:
+                scores = jax.jit(kernel)(keys, lens, q, w)
+                t_kernel = timed(kernel, make_set, (keys, lens), few=few, many=many)
+            except Exception as e:  # a tiling the GPU cannot compile: say so and go on
+                print(f"block_q={block_q} block_t={block_t} tiles={tiles} warps={warps}: {type(e).__name__}: "
+                      f"{str(e)[:200]}", flush=True)
+                continue
+            got = top_picks(scores[:, -check:], k)
+            same = float(np.mean([len(set(a[a >= 0]) & set(b[b >= 0])) / max(1, len(set(b[b >= 0])))
+                                  for a, b in zip(np.asarray(got)[0], np.asarray(want)[0])]))
+            emit(args, rows, {"op": "prefill_indexer", "context": context, "chunk": chunk, "block_q": block_q,
+                              "block_t": block_t, "tiles": tiles, "warps": warps, "kernel_ms": t_kernel * 1e3,
+                              "reference_ms": t_ref * 1e3, "TFLOPs": flops / t_kernel / 1e12,
+                              "picks_same": same, "checked_queries": check}, bandwidth)
+        one = timed(lambda s: jax.lax.top_k(s, k)[1], lambda i: (scores + i,), few=few, many=many)
+        two = timed(lambda s: top_picks(s, k), lambda i: (scores + i,), few=few, many=many)
+        emit(args, rows, {"op": "prefill_topk", "context": context, "chunk": chunk, "entries": t,
+                          "lax_top_k_ms": one * 1e3, "two_step_ms": two * 1e3}, bandwidth)
+        del keys, scores
+    return rows
+
+
 def bench_export(args, cfg, bandwidth):
     """Load a `dsjax export` artifact, run its prefill and decode steps with random weights, check them
     against the engine's own jitted steps (greedy tokens equal, logprobs close) and time a decode step."""
@@ -374,7 +434,7 @@ def read_ncu(args, cfg, bandwidth):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("attention", "tune", "indexer", "export", "variants", "ncu"))
+    p.add_argument("what", choices=("attention", "tune", "indexer", "prefill-indexer", "export", "variants", "ncu"))
     p.add_argument("--variant", nargs="+", default=[], help="variants: JSON kernel specs, e.g. "
                    '\'{"op": "attention", "kv": "fp8", "batch": 64, "context": 131072, "block_h": 32}\'')
     p.add_argument("--ncu-log", help="ncu: the output of a `variants` run under ncu")
@@ -393,6 +453,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--block-t", type=int, nargs="+", default=[64], help="indexer keys per block")
     p.add_argument("--tiles", type=int, nargs="+", default=[16], help="indexer blocks per program")
+    p.add_argument("--chunk", type=int, nargs="+", default=[2048], help="prefill-indexer: queries per chunk")
+    p.add_argument("--block-q", type=int, nargs="+", default=[4], help="prefill-indexer: queries per program")
+    p.add_argument("--reference-bytes", type=int, default=4 << 30,
+                   help="prefill-indexer: time the reference where its [C, heads, T] scores take at most this")
     p.add_argument("--max-tokens", type=int, default=64 * 1048576, help="skip sizes of more batch × context")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--tiling", default="{}", help="attention: JSON overrides of gpu_tiling's defaults")
@@ -410,7 +474,8 @@ def main(argv=None) -> int:
         bandwidth = copy_bandwidth(32 << 20 if args.interpret else 2 << 30)
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = {"attention": bench_attention, "tune": bench_tune, "indexer": bench_indexer,
-            "export": bench_export, "variants": run_variants, "ncu": read_ncu}[args.what](args, cfg, bandwidth)
+            "prefill-indexer": bench_prefill_indexer, "export": bench_export, "variants": run_variants,
+            "ncu": read_ncu}[args.what](args, cfg, bandwidth)
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "op"))
     print(" ".join(f"{k:>10}" for k in keys))
     for r in sorted(rows, key=lambda r: r.get("kernel_us", 0)) if args.what == "tune" else rows:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -101,6 +102,7 @@ ENTRY %main {
   %custom-call.7 = f32[8] custom-call(%a), custom_call_target="mosaic_gpu", metadata={op_name="jit(_decode)/while/body/moe/ragged_dot"}
   ROOT %loop_add_fusion.2 = f32[8] fusion(%q), kind=kLoop, metadata={op_name="jit(_decode)/while/body/attention/add"}
   %sort.1 = f32[8] sort(%r), metadata={op_name="jit(_decode)/sort"}
+  %sort.5 = f32[8] sort(%r), metadata={op_name="jit(_decode)/while/body/attention/indexer/topk/sort"}
 }
 """
 
@@ -113,12 +115,14 @@ def test_attribute_trace_maps_kernels_to_parts(tmp_path):
         ev("loop_add_fusion_2", 6, hlo_op="command_buffer_4"),    # inside a CUDA graph: by the kernel's name
         ev("cub_sort", 20, hlo_op="custom-call.99", name="jit(_decode)/sort"),  # by the scope path it carries
         ev("mystery", 4, hlo_op="command_buffer_9"),
+        ev("sort_kernel", 8, hlo_op="sort.5"),                    # the indexer's top-k, inside the indexer
         ev("host_work", 1000, pid=2, hlo_op="fusion.3"),          # host events are not device time
     ])
     parts = B.attribute_trace(d, HLO, steps=2)
     assert parts["indexer"] == pytest.approx(5e-6) and parts["moe"] == pytest.approx(20e-6)
     assert parts["attention"] == pytest.approx(3e-6) and parts["rest"] == pytest.approx(10e-6)
-    assert parts["unattributed"] == pytest.approx(2e-6) and parts["kernels_per_step"] == 2.5
+    assert parts["unattributed"] == pytest.approx(2e-6) and parts["topk"] == pytest.approx(4e-6)
+    assert parts["kernels_per_step"] == 3
     assert list(parts["top_kernels"])[0] == "moe: ragged_dot_kernel"
     assert B.attribute_trace(_trace(tmp_path / "cpu", [ev("x", 5, pid=2)]), HLO, 1) == {}
     assert B.attribute_trace(str(tmp_path / "none"), HLO, 1) == {}
@@ -145,6 +149,26 @@ def test_attribute_trace_gives_collectives_their_own_part_and_averages_devices(t
     assert parts["devices"] == 2
     assert parts["moe"] == pytest.approx(30e-6) and parts["collectives"] == pytest.approx(7e-6)
     assert parts["kernels_per_step"] == 2.5
+
+
+def test_prefill_chunks_fill_the_cache_as_the_engine_does(tiny):
+    """The prefill breakdown's own run of the prefill program (a profiler trace needs it compiled without
+    CUDA graphs) writes the cache and logits the engine's prefill writes."""
+    import numpy as np
+
+    from dsjax.engine.sampling import SamplingArrays, SamplingParams
+
+    engine = Engine(tiny, RunConfig(slots=3, max_len=40, chunk_size=8))
+    prompts = np.random.default_rng(0).integers(0, tiny.cfg.vocab_size, (2, 21)).astype(np.int32)
+    compiled = engine.lower_prefill(engine.new_cache(), 2).compile()
+    cache, logits = B.prefill_chunks(engine, compiled, engine.new_cache(), prompts)
+    sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * 3, [0] * 3)
+    want_cache, sampled = engine.prefill(engine.new_cache(), [list(p) for p in prompts], [0, 1], sampling)
+    assert np.asarray(cache.lengths).tolist() == np.asarray(want_cache.lengths).tolist() == [21, 21, 0]
+    assert np.asarray(jnp.argmax(logits[:2], -1)).tolist() == np.asarray(sampled.token[:2]).tolist()
+    for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert B.prefill_breakdown(engine, 2, 21) == {}  # CPU traces have no device kernels
 
 
 def test_run_bench_refuses_recompilation(tiny, monkeypatch):

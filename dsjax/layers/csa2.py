@@ -31,6 +31,7 @@ from dsjax.layers.indexer import IndexerScorer
 from dsjax.layers.linear import Linear
 from dsjax.layers.norms import RMSNorm
 from dsjax.layers.rope import apply_rope, rope_table
+from dsjax.layers.topk import top_picks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +119,6 @@ def select_candidate_blocks(score_bst: jax.Array, visible_len_bs: jax.Array, top
     return jnp.repeat(keep_bsn, block, axis=-1)[..., :t]
 
 
-def top_picks(score_bst: jax.Array, k: int) -> jax.Array:
-    """The top `min(k, T)` entries per query as indices in increasing order, −1 where the score is −inf."""
-    k = min(k, score_bst.shape[-1])
-    top, idx = jax.lax.top_k(score_bst, k)
-    idx = jnp.where(top > -jnp.inf, idx, score_bst.shape[-1])  # invalid picks sort last
-    idx = jnp.sort(idx, axis=-1)
-    return jnp.where(idx < score_bst.shape[-1], idx, -1).astype(jnp.int32)
-
-
 def picked_mask(picks_bsk: jax.Array, n_entries: int) -> jax.Array:
     """`[B,S,T]` bool of the picked entries."""
     hit = picks_bsk[..., None] == jnp.arange(n_entries)
@@ -169,15 +161,12 @@ class CSA2Indexer(nnx.Module):
 
     def cached_scores(self, x_bch, q_res_bcr, positions_bc, keys: jax.Array, rounding: bool) -> jax.Array:
         """`scores` over a cache's keys store `[B, T, c]` (rows past a slot's entries are masked as not yet
-        visible). One token per row runs the indexer's decode kernel op (`kernels.indexer`)."""
+        visible), through the indexer's kernel op (`kernels.indexer`): decode and prefill chunks alike."""
         cfg = self.cfg
-        if x_bch.shape[1] > 1:
-            return self.scores(x_bch, q_res_bcr, positions_bc, read_rows(keys, x_bch.dtype), rounding)
-        q_bhc = self.queries(q_res_bcr, positions_bc, rounding)[:, 0]
-        w_bh = self.scorer.weights_proj(x_bch)[:, 0].astype(jnp.float32) * cfg.index_n_heads ** -0.5
-        n_b = num_entries(positions_bc[:, 0] + 1, self.role.ratio)
-        score_bt = index_scores(q_bhc, w_bh, keys, n_b, cfg.index_head_dim ** -0.5, kernels=self.kernels)
-        return score_bt[:, None]
+        q_bchc = self.queries(q_res_bcr, positions_bc, rounding)
+        w_bch = self.scorer.weights_proj(x_bch).astype(jnp.float32) * cfg.index_n_heads ** -0.5
+        n_bc = num_entries(positions_bc + 1, self.role.ratio)
+        return index_scores(q_bchc, w_bch, keys, n_bc, cfg.index_head_dim ** -0.5, kernels=self.kernels)
 
     def select(self, score_bst: jax.Array, positions_bs: jax.Array, shared: Shared) -> tuple[Shared, jax.Array]:
         """The new selection (and, at the candidate source, the candidate pool) from the scores, and the
@@ -190,7 +179,8 @@ class CSA2Indexer(nnx.Module):
                                                  cfg.candidate_block_size) & (score_bst > -jnp.inf)
         elif role.uses_candidates:
             score_bst = jnp.where(candidates, score_bst, -jnp.inf)
-        picks = top_picks(score_bst, cfg.index_topk)
+        with jax.named_scope("topk"):
+            picks = top_picks(score_bst, cfg.index_topk)
         return dataclasses.replace(shared, picks_bsk=picks, candidates_bst=candidates), score_bst
 
 

@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.cache import CompressorState, num_entries, read_entries
+from dsjax.cache import CompressorState, num_entries
 from dsjax.config import ModelConfig
 from dsjax.kernels.indexer.op import index_scores
 from dsjax.layers.compression import Compressor, Selection, entry_visible
 from dsjax.layers.linear import Linear
 from dsjax.layers.rope import apply_rope, rope_table
+from dsjax.layers.topk import top_picks
 from dsjax.numerics import einsum
 
 
@@ -60,24 +61,20 @@ class Indexer(Compressor):
     def extend(self, x_bch: jax.Array, q_res_bcr: jax.Array, positions_bc: jax.Array, start_b: jax.Array,
                n_valid_b: jax.Array, state: CompressorState) -> tuple[Selection, CompressorState]:
         """Cached form for the sparse attention operations: each query's top `min(index_topk, T)` visible
-        entries as `Selection.idx_bck [B, C, k]` (−1 where fewer are visible, as the reference turns
-        them), and the new key state. One token per slot (decode) scores through
-        `kernels.indexer.index_scores` over the keys in their storage; a chunk scores with XLA (no
-        prefill indexer kernel yet)."""
+        entries as `Selection.idx_bck [B, C, k]` (in increasing order, −1 where fewer are visible), and
+        the new key state. Scores go through `kernels.indexer.index_scores` over the keys in their storage
+        (decode and prefill chunks alike), the pick through `layers.topk.top_picks`."""
         state = self.compress_into(x_bch, state, start_b, n_valid_b)
         b, c, _ = x_bch.shape
-        if c == 1:
-            q_b1hc = self.q_b_proj(q_res_bcr).reshape(b, 1, self.cfg.index_n_heads, self.width)
-            cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bc, q_b1hc.dtype)
-            q_bhc = apply_rope(q_b1hc, cos[:, :, None], sin[:, :, None])[:, 0]
-            w_bh = self.scorer.weights_proj(x_bch)[:, 0].astype(jnp.float32) * (self.cfg.index_n_heads ** -0.5)
-            score_bct = index_scores(q_bhc, w_bh, state.entries, num_entries(positions_bc[:, 0] + 1, self.rate),
-                                     self.width ** -0.5, kernels=self.kernels)[:, None]
-        else:
-            score_bct, _ = self.scores(x_bch, q_res_bcr, positions_bc, read_entries(state.entries, x_bch.dtype))
-        k = min(self.cfg.index_topk, score_bct.shape[-1])
-        top_score, top = jax.lax.top_k(score_bct, k)
-        return Selection(idx_bck=jnp.where(top_score > -jnp.inf, top, -1).astype(jnp.int32)), state
+        q_bchc = self.q_b_proj(q_res_bcr).reshape(b, c, self.cfg.index_n_heads, self.width)
+        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bc, q_bchc.dtype)
+        q_bchc = apply_rope(q_bchc, cos[:, :, None], sin[:, :, None])
+        w_bch = self.scorer.weights_proj(x_bch).astype(jnp.float32) * (self.cfg.index_n_heads ** -0.5)
+        score_bct = index_scores(q_bchc, w_bch, state.entries, num_entries(positions_bc + 1, self.rate),
+                                 self.width ** -0.5, kernels=self.kernels)
+        with jax.named_scope("topk"):
+            idx_bck = top_picks(score_bct, self.cfg.index_topk)
+        return Selection(idx_bck=idx_bck), state
 
     def distillation_loss(self, x_bsh, q_res_bsr, positions_bs, q_bshd, entries_btd, scale: float) -> jax.Array:
         """The indexer's training objective (DeepSeek-V3.2's DSA): KL(target ‖ softmax(index scores)) over

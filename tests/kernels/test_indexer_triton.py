@@ -1,4 +1,4 @@
-"""The lightning indexer's decode scores: the Pallas GPU kernel (interpreted on CPU, native on a GPU)
+"""The lightning indexer's scores (decode and prefill chunks): the Pallas GPU kernel (interpreted on CPU, native on a GPU)
 against the pure-JAX reference on fresh random inputs."""
 
 import jax
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dsjax.kernels.dispatch import CannotTile
-from dsjax.kernels.indexer.reference import index_scores_reference
-from dsjax.kernels.indexer.triton import index_scores_gpu
+from dsjax.kernels.indexer.reference import index_scores_chunk_reference, index_scores_reference
+from dsjax.kernels.indexer.triton import index_scores_chunk_gpu, index_scores_gpu
 from dsjax.quant import pack_kv
 from tests.helpers import assert_close
 
@@ -60,6 +60,40 @@ def test_fp8_keys_take_queries_beyond_fp16s_range(magnitude):
     assert_close(got[live], want[live], rtol=1e-5)
 
 
+def chunk_inputs(seed, kv_dtype="bfloat16", b=2, c_len=7, h=16, c=64, t=300, dtype=jnp.bfloat16, group=64):
+    """A chunk of `c_len` queries per slot at consecutive positions, each seeing a prefix of the keys (as
+    prefill does: later queries see more), the first slot's first queries none."""
+    q, w, keys, _, scale = inputs(seed, kv_dtype, b=b * c_len, h=h, c=c, t=t, dtype=dtype, group=group)
+    keys = jax.tree.map(lambda x: x[:b], keys)
+    rng = np.random.default_rng(seed + 100)
+    start = rng.integers(0, t, size=b)
+    lens = np.minimum(start[:, None] + np.arange(c_len)[None, :] - 2, t).clip(0)
+    lens[0, :3] = 0
+    return (q.reshape(b, c_len, h, c), w.reshape(b, c_len, h), keys, jnp.asarray(lens, jnp.int32), scale)
+
+
+@pytest.mark.parametrize("seed,kv_dtype,shape,tiling", [
+    (0, "bfloat16", {}, {}), (1, "bfloat16", {"c_len": 16, "t": 700}, {"block_q": 8, "block_t": 32, "tiles": 4}),
+    (2, "fp8", {"c": 128, "group": 128}, {"block_q": 2}), (3, "float32", {"dtype": jnp.float32}, {"block_q": 3})])
+def test_chunk_kernel_matches_reference(seed, kv_dtype, shape, tiling):
+    """A prefill chunk's scores: each query block reads a key block once for all its queries; the chunk's
+    length need not divide into query blocks (7 queries in blocks of 2, 3 or 4)."""
+    args = chunk_inputs(seed, kv_dtype, **shape)
+    want = np.asarray(index_scores_chunk_reference(*args))
+    got = np.asarray(index_scores_chunk_gpu(*args, **tiling, interpret=not ON_GPU))
+    assert got.shape == want.shape == (*args[0].shape[:2], args[2].shape[1] if kv_dtype != "fp8" else 300)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    live = ~np.isneginf(want)
+    assert live.any() and (~live).any()
+    assert_close(got[live], want[live], rtol=2e-3 if kv_dtype != "float32" else 1e-5)
+
+
+def test_decode_is_a_chunk_of_one():
+    q, w, keys, n, scale = inputs(6, "bfloat16")
+    want = np.asarray(index_scores_chunk_reference(q[:, None], w[:, None], keys, n[:, None], scale))[:, 0]
+    np.testing.assert_array_equal(np.asarray(index_scores_reference(q, w, keys, n, scale)), want)
+
+
 def test_under_a_mesh_the_op_runs_on_each_devices_slots():
     """Under a mesh of 8 devices the op runs in a shard_map over the slot axes, so the kernel can run:
     lowered for cuda it is there; interpreted on the CPU devices, the reference's scores."""
@@ -67,12 +101,12 @@ def test_under_a_mesh_the_op_runs_on_each_devices_slots():
     from dsjax.parallel.mesh import make_mesh
     from tests.helpers import mesh_cuda_module
 
-    q, w, keys, n, scale = inputs(5, kv_dtype="bfloat16", b=8)
+    q, w, keys, n, scale = chunk_inputs(5, kv_dtype="bfloat16", b=8, c_len=3)
     text = mesh_cuda_module(lambda *a: index_scores(*a, scale), q, w, keys, n)
     assert "__gpu$xla.gpu.triton" in text
     with jax.set_mesh(make_mesh("dp=2,ep=4")):
         got = jax.jit(lambda *a: index_scores(*a, scale, kernels="interpret"))(q, w, keys, n)
-    want = index_scores_reference(q, w, keys, n, scale)
+    want = index_scores_chunk_reference(q, w, keys, n, scale)
     finite = np.isfinite(np.asarray(want))
     assert np.array_equal(finite, np.isfinite(np.asarray(got)))
     assert_close(np.asarray(got)[finite], np.asarray(want)[finite], rtol=2e-2)

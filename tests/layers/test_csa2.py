@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from dsjax.config_v41 import V41Config
-from dsjax.layers.csa2 import CSA2Compressor, picked_mask, select_candidate_blocks, top_picks
+from dsjax.layers.csa2 import CSA2Compressor, picked_mask, select_candidate_blocks
+from dsjax.layers.topk import top_picks
 
 CFG = V41Config.preset("tiny-v4.1")
 
@@ -80,43 +81,6 @@ def test_candidate_blocks_by_hand():
 
 
 # ------------------------------------------------------------------------------------------ top-k picks
-
-def ref_top_picks(score_bst, k):
-    """Per query: the k = min(k, T) best entries, ties to the lower index, −inf picks dropped, the rest in
-    increasing order, padded with −1."""
-    b, s, t = score_bst.shape
-    k = min(k, t)
-    out = np.full((b, s, k), -1, np.int64)
-    for bi in range(b):
-        for si in range(s):
-            row = score_bst[bi, si]
-            order = sorted(range(t), key=lambda j: (-row[j], j))[:k]
-            kept = sorted(j for j in order if row[j] > -np.inf)
-            out[bi, si, :len(kept)] = kept
-    return out
-
-
-@pytest.mark.parametrize("t, k", [(20, 8), (6, 8), (8, 8), (1, 3)])
-def test_top_picks_match_numpy_with_ties(t, k):
-    rng = np.random.default_rng(t + k)
-    # Scores from a few values only, so most rows hold ties; some −inf, and one row of only −inf.
-    score = rng.integers(-3, 3, (2, 7, t)).astype(np.float32)
-    score[rng.random(score.shape) < 0.3] = -np.inf
-    score[1, 0] = -np.inf
-    got = np.asarray(top_picks(jnp.asarray(score), k))
-    assert got.dtype == np.int32 and got.shape == (2, 7, min(k, t))
-    np.testing.assert_array_equal(got, ref_top_picks(score, k))
-    assert (got[1, 0] == -1).all()
-
-
-def test_top_picks_by_hand():
-    score = jnp.asarray([[[0.5, 2.0, -np.inf, 2.0, 1.0, 0.5]]], jnp.float32)
-    # Top 3: 2.0 at 1 and 3, then 1.0 at 4; top 5: then the 0.5 at 0 (the lower of the tied pair).
-    assert np.asarray(top_picks(score, 3)).tolist() == [[[1, 3, 4]]]
-    assert np.asarray(top_picks(score, 5)).tolist() == [[[0, 1, 3, 4, 5]]]
-    # k ≥ T: all six, the −inf one as −1 at the end.
-    assert np.asarray(top_picks(score, 9)).tolist() == [[[0, 1, 3, 4, 5, -1]]]
-
 
 def test_picked_mask():
     picks = jnp.asarray([[[0, 3, -1], [2, -1, -1]], [[-1, -1, -1], [1, 2, 4]]], jnp.int32)

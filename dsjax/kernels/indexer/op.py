@@ -1,5 +1,5 @@
-"""The indexer's decode scores as the model calls them: the GPU or TPU kernel where it applies, else
-the pure-JAX reference (`dispatch.py`)."""
+"""The indexer's scores as the model calls them: the GPU or TPU kernel where it applies, else the
+pure-JAX reference (`dispatch.py`)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,26 @@ import jax
 
 from dsjax.kernels.dispatch import dispatch, over_slots, reads_records
 from dsjax.kernels.indexer.mosaic_tpu import index_scores_tpu
-from dsjax.kernels.indexer.reference import index_scores_reference
-from dsjax.kernels.indexer.triton import index_scores_gpu
+from dsjax.kernels.indexer.reference import index_scores_chunk_reference
+from dsjax.kernels.indexer.triton import index_scores_chunk_gpu
 
 
-def index_scores(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,
+def index_scores(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys_len_bc: jax.Array, scale: float, *,
                  kernels: str = "auto") -> jax.Array:
-    """`reference.index_scores_reference`'s result, by the kernel `kernels` selects for the platform
-    (under a mesh, on each device's slots: `dispatch.over_slots`)."""
+    """`reference.index_scores_chunk_reference`'s `[B, C, T]` scores of C queries per slot (C = 1: decode),
+    by the kernel `kernels` selects for the platform (under a mesh, on each device's slots:
+    `dispatch.over_slots`). The TPU kernel scores one query per slot; chunks run the reference there."""
     return over_slots(functools.partial(_index_scores, scale=scale, kernels=kernels),
-                      dict(q_bhc=q_bhc, weights_bh=weights_bh, keys=keys, keys_len_b=keys_len_b))
+                      dict(q_bchc=q_bchc, weights_bch=weights_bch, keys=keys, keys_len_bc=keys_len_bc))
 
 
-def _index_scores(q_bhc, weights_bh, keys, keys_len_b, scale, *, kernels):
+def _index_scores(q_bchc, weights_bch, keys, keys_len_bc, scale, *, kernels):
     kernels = reads_records(kernels, keys)
-    args = (q_bhc, weights_bh, keys, keys_len_b, scale)
-    return dispatch(functools.partial(index_scores_reference, *args), kernels=kernels,
-                    gpu=lambda interpret: index_scores_gpu(*args, interpret=interpret),
-                    tpu=lambda: index_scores_tpu(*args))
+    args = (q_bchc, weights_bch, keys, keys_len_bc, scale)
+    decode = q_bchc.shape[1] == 1
+    tpu = (lambda: index_scores_tpu(q_bchc[:, 0], weights_bch[:, 0], keys, keys_len_bc[:, 0], scale)[:, None]
+           ) if decode else None
+    # Decode keeps the tiling swept for it; a chunk takes block_q queries per key block.
+    tiling = dict(block_q=1) if decode else {}
+    return dispatch(functools.partial(index_scores_chunk_reference, *args), kernels=kernels,
+                    gpu=lambda interpret: index_scores_chunk_gpu(*args, **tiling, interpret=interpret), tpu=tpu)

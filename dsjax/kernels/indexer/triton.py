@@ -1,18 +1,20 @@
-"""The lightning indexer's decode scores as a Pallas kernel for GPUs (Triton lowering; interpreted on
-CPU).
+"""The lightning indexer's scores as a Pallas kernel for GPUs (Triton lowering; interpreted on CPU):
+decode (one query per slot) and prefill (a chunk of C queries per slot) in one kernel.
 
-Grid (slot, key span): a program holds the slot's index queries `[nI, c]` and head weights and walks
-`tiles` blocks of `block_t` consecutive keys: one `[block_t, c] × [c, nI]` product per block (per
-scale group for fp8 keys: the codes, exact in bf16, are multiplied first and the group's row scale
-applied to the fp32 sums), ReLU, the weighted sum over heads, and a row of scores. Spans past the
-slot's key count write −inf without reading keys.
+Grid (slot, query block, key span): a program takes `block_q` of its slot's queries, each `[nI, c]`
+with its head weights, and walks `tiles` blocks of `block_t` consecutive keys. Each key block is loaded
+once for the whole query block, then for each query: one `[block_t, c] × [c, nI]` product (per scale
+group for fp8 keys: the codes, exact in bf16, are multiplied first and the group's row scale applied to
+the fp32 sums), ReLU, the weighted sum over heads and a row of scores. So a chunk reads its slot's keys
+`C / block_q` times, not C times; key blocks past every query's count of the block write −inf without
+reading keys. Only the head-summed `[C, T]` scores reach memory, never the `[C, nI, T]` products.
 
 fp8 codes against bf16 queries multiply on fp16 tensor cores: the codes convert to fp16 in one
-instruction and exactly (to bf16 they take three), which made the kernel 1.2× faster on an H200. The
-queries stay exact too: each head's row is first multiplied by the power of two that puts its largest
-magnitude in [2^14, 2^15) (within fp16's range, so nothing overflows), and the sums are divided by it
-again. Only elements below 2^-28 of their row's largest fall into fp16's subnormals, an error of at
-most 2^-39 of that largest element: every product is still exact in the fp32 sums.
+instruction and exactly (to bf16 they take three), which made the decode kernel 1.2× faster on an
+H200. The queries stay exact too: each head's row is first multiplied by the power of two that puts its
+largest magnitude in [2^14, 2^15) (within fp16's range, so nothing overflows), and the sums are divided
+by it again. Only elements below 2^-28 of their row's largest fall into fp16's subnormals, an error of
+at most 2^-39 of that largest element: every product is still exact in the fp32 sums.
 """
 
 from __future__ import annotations
@@ -31,53 +33,82 @@ from dsjax.numerics import precision
 from dsjax.quant import PackedKV
 
 
-def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_t, tiles, pieces, n_rows):
+def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces, n_rows):
     *key_refs, o_ref = refs
     fp16 = q_ref.dtype == jnp.bfloat16 and pieces[0].kind == "fp8"
     dtype = jnp.float16 if fp16 else q_ref.dtype
     exact = precision(q_ref)
-    w_h = w_ref[...].astype(jnp.float32)
-    q_pieces = {p.col: q_ref[:, pl.ds(p.col, p.width)] for p in pieces}
-    if fp16:
-        q_pieces, unscale_h = fp16_rows(q_pieces)
-    keys_len = len_ref[...]
-    span0 = pl.program_id(1) * tiles * block_t
-    n_live = jnp.clip(pl.cdiv(keys_len - span0, block_t), 0, tiles)
+
+    def query(i):
+        """Query i of the block: its column pieces (fp16-scaled for fp8 keys), per-head unscale, weights."""
+        q_pieces = {p.col: q_ref[i, :, pl.ds(p.col, p.width)] for p in pieces}
+        unscale_h = None
+        if fp16:
+            q_pieces, unscale_h = fp16_rows(q_pieces)
+        return q_pieces, unscale_h, w_ref[i, :].astype(jnp.float32)
+
+    # One query per program (decode): its operands stay in registers across the key loop. A block of
+    # queries reloads each query's (from L1/L2) per key block instead of holding them all.
+    hoisted = query(0) if block_q == 1 else None
+    lens = [len_ref[i] for i in range(block_q)]
+    span0 = pl.program_id(2) * tiles * block_t
+    n_live = jnp.clip(pl.cdiv(functools.reduce(jnp.maximum, lens) - span0, block_t), 0, tiles)
 
     def live(j, carry):
         rows = span0 + j * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
         rows_k = jnp.minimum(rows, n_rows - 1)
-        # Keys along rows: the head sum reduces within a row of the product's layout.
-        dots_th = jnp.zeros((block_t, w_h.shape[0]), jnp.float32)
-        for p in pieces:
-            tile = load_piece(key_refs, p, rows_k, dtype, scaled=False)
-            if isinstance(tile, tuple):
-                codes, row_scale = tile
-                dots_th += jnp.dot(codes, q_pieces[p.col].T, preferred_element_type=jnp.float32,
-                                   precision=exact) * row_scale
-            else:
-                dots_th += jnp.dot(tile, q_pieces[p.col].T, preferred_element_type=jnp.float32, precision=exact)
-        if fp16:
-            dots_th = dots_th * unscale_h[None, :]
-        score_t = jnp.sum(jnp.maximum(dots_th, 0.0) * w_h[None, :], axis=1) * scale
-        o_ref[pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.where(rows < keys_len, score_t, -jnp.inf)
+        tiles_ = [load_piece(key_refs, p, rows_k, dtype, scaled=False) for p in pieces]
+        for i in range(block_q):
+            q_pieces, unscale_h, w_h = hoisted or query(i)
+            # Keys along rows: the head sum reduces within a row of the product's layout.
+            dots_th = jnp.zeros((block_t, w_h.shape[0]), jnp.float32)
+            for p, tile in zip(pieces, tiles_):
+                if isinstance(tile, tuple):
+                    codes, row_scale = tile
+                    dots_th += jnp.dot(codes, q_pieces[p.col].T, preferred_element_type=jnp.float32,
+                                       precision=exact) * row_scale
+                else:
+                    dots_th += jnp.dot(tile, q_pieces[p.col].T, preferred_element_type=jnp.float32,
+                                       precision=exact)
+            if unscale_h is not None:
+                dots_th = dots_th * unscale_h[None, :]
+            score_t = jnp.sum(jnp.maximum(dots_th, 0.0) * w_h[None, :], axis=1) * scale
+            o_ref[i, pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.where(rows < lens[i], score_t,
+                                                                                        -jnp.inf)
         return carry
 
     def dead(j, carry):
-        o_ref[pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.full((block_t,), -jnp.inf, jnp.float32)
+        for i in range(block_q):
+            o_ref[i, pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.full((block_t,), -jnp.inf,
+                                                                                      jnp.float32)
         return carry
 
     jax.lax.fori_loop(0, n_live, live, 0)
     jax.lax.fori_loop(n_live, tiles, dead, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_t", "tiles", "num_warps", "num_stages", "interpret"))
+_TILING = ("block_q", "block_t", "tiles", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", *_TILING[1:]))
 def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,
                      block_t: int = 64, tiles: int = 16, num_warps: int = 4, num_stages: int = 2,
                      interpret: bool = False) -> jax.Array:
-    """`reference.index_scores_reference` as a Pallas kernel (same arguments and result). The default
-    tiling was the fastest of a sweep on an H200 at batch 64 and 128K context (`docs/benchmarks.md`)."""
-    b, h, c = q_bhc.shape
+    """`reference.index_scores_reference` as a Pallas kernel (same arguments and result): one query per
+    slot. The default tiling was the fastest of a sweep on an H200 at batch 64 and 128K context
+    (`docs/benchmarks.md`)."""
+    return index_scores_chunk_gpu(q_bhc[:, None], weights_bh[:, None], keys, keys_len_b[:, None], scale, block_q=1,
+                                  block_t=block_t, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
+                                  interpret=interpret)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", *_TILING))
+def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys_len_bc: jax.Array, scale: float,
+                           *, block_q: int = 4, block_t: int = 64, tiles: int = 16, num_warps: int = 4,
+                           num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """`reference.index_scores_chunk_reference` as a Pallas kernel (same arguments and `[B, C, T]` result);
+    `block_q` queries of a slot per program (C is padded to a multiple of it)."""
+    b, c_len, h, c = q_bchc.shape
     if isinstance(keys, PackedKV) and keys.fmt != "fp8":
         raise CannotTile(f"index_scores_gpu: index keys are stored as fp8 or float, got {keys.fmt}")
     if h % 16 or block_t % 16:
@@ -87,15 +118,23 @@ def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: 
     t = arrays[0].shape[1]
     span = block_t * tiles
     n_spans = -(-t // span)
-    per_slot = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda i, j: (i,) + (0,) * (a.ndim - 1))  # noqa: E731
+    block_q = min(block_q, c_len)
+    pad = -c_len % block_q
+    if pad:  # padded queries see no keys
+        q_bchc, weights_bch = (jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (q_bchc, weights_bch))
+        keys_len_bc = jnp.pad(keys_len_bc, ((0, 0), (0, pad)))
+    n_q = (c_len + pad) // block_q
+    per_slot = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda i, q, j: (i,) + (0,) * (a.ndim - 1))  # noqa: E731
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, block_t=block_t, tiles=tiles, pieces=pieces, n_rows=t),
-        grid=(b, n_spans),
-        in_specs=[pl.BlockSpec((None, h, c), lambda i, j: (i, 0, 0)), pl.BlockSpec((None, h), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None,), lambda i, j: (i,))] + [per_slot(a) for a in arrays],
-        out_specs=pl.BlockSpec((None, span), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((b, n_spans * span), jnp.float32),
+        functools.partial(_kernel, scale=scale, block_q=block_q, block_t=block_t, tiles=tiles, pieces=pieces,
+                          n_rows=t),
+        grid=(b, n_q, n_spans),
+        in_specs=[pl.BlockSpec((None, block_q, h, c), lambda i, q, j: (i, q, 0, 0)),
+                  pl.BlockSpec((None, block_q, h), lambda i, q, j: (i, q, 0)),
+                  pl.BlockSpec((None, block_q), lambda i, q, j: (i, q))] + [per_slot(a) for a in arrays],
+        out_specs=pl.BlockSpec((None, block_q, span), lambda i, q, j: (i, q, j)),
+        out_shape=jax.ShapeDtypeStruct((b, c_len + pad, n_spans * span), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="dsjax_index_scores",
-    )(q_bhc, weights_bh.astype(jnp.float32), keys_len_b.astype(jnp.int32), *arrays)
-    return out[:, :t]
+    )(q_bchc, weights_bch.astype(jnp.float32), keys_len_bc.astype(jnp.int32), *arrays)
+    return out[:, :c_len, :t]
