@@ -12,6 +12,7 @@ overhead cancel; host jitter only adds time, so the fastest call is kept). For s
     python scripts/bench_kernels.py tune --batch 64 --context 131072
     python scripts/bench_kernels.py indexer --batch 1 64 --context 131072
     python scripts/bench_kernels.py prefill-indexer --context 131072 1048576 --chunk 2048 --block-q 2 4 8
+    python scripts/bench_kernels.py prefill-attention --context 1048576 --chunk 2048 --block-h 32 64
     dsjax export --preset tiny-kernels --platform cuda --weights bf16 --out build/export-cuda   # (on CPU)
     python scripts/bench_kernels.py export --artifact build/export-cuda
     ncu --clock-control none --kernel-name regex:dsjax --metrics gpu__time_duration.sum --csv \
@@ -313,6 +314,65 @@ def bench_prefill_indexer(args, cfg, bandwidth):
     return rows
 
 
+def bench_prefill_attention(args, cfg, bandwidth):
+    """A prefill chunk's sparse attention at long context through the GPU kernel, each tiling: C queries
+    at the context's end, each over its 128 window rows (the ring and the chunk, as `cache.extend_window`
+    lays them out) and its layer's entries (HCA: every complete window; CSA: 512 random picks), bf16. The
+    first queries' outputs are compared with the reference's."""
+    from dsjax.kernels.sparse_attention.reference import sparse_prefill_reference
+    from dsjax.kernels.sparse_attention.triton import sparse_prefill_gpu
+
+    rows = []
+    h, d, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    scale = d ** -0.5
+    for context, chunk, layer in itertools.product(args.context, args.chunk, args.layer):
+        rate = cfg.compress_rate_csa if layer == CSA else cfg.compress_rate_hca
+        t = context // rate
+        k0, k1, k2, k3 = jax.random.split(jax.random.key(0), 4)
+        entries = jax.random.normal(k0, (1, t, d), jnp.bfloat16)
+        window = jax.random.normal(k1, (1, w + chunk, d), jnp.bfloat16)
+        sinks = jax.random.normal(k2, (h,), jnp.float32)
+        c = np.arange(chunk)
+        start, end = jnp.asarray((c + 1)[None], jnp.int32), jnp.asarray((c + 1 + w)[None], jnp.int32)
+        visible = (context - chunk + c + 1) // rate
+        if layer == CSA:
+            k = min(cfg.index_topk, t)
+            idx = (jax.random.uniform(k3, (1, chunk, k)) * visible[None, :, None]).astype(jnp.int32)
+            extra = {"idx_bck": idx}
+            n_keys = chunk * (w + k)
+        else:
+            extra = {"entries_len_bc": jnp.asarray(visible[None], jnp.int32)}
+            n_keys = chunk * w + int(visible.sum())
+        flops = 4 * h * d * n_keys
+
+        def make_set(i):
+            return (jax.random.normal(jax.random.key(1000 + i), (1, chunk, h, d), jnp.bfloat16),)
+
+        (q,) = make_set(0)
+        few_ = {key: v[:, :8] for key, v in extra.items()}
+        want = np.asarray(jax.jit(lambda q: sparse_prefill_reference(
+            q[:, :8], window, start[:, :8], end[:, :8], entries, sinks, scale, **few_, out_dtype=jnp.float32))(q))
+        for block_h, block_k, warps, stages in itertools.product(args.block_h, args.block_k, args.num_warps,
+                                                                 args.num_stages):
+            tiling = dict(block_h=block_h, block_k=block_k, num_warps=warps, num_stages=stages)
+
+            def kernel(entries, window, sinks, q, tiling=tiling):
+                return sparse_prefill_gpu(q, window, start, end, entries, sinks, scale, **extra, **tiling,
+                                          interpret=args.interpret)
+
+            try:
+                got = np.asarray(jax.jit(kernel)(entries, window, sinks, q)[:, :8], np.float32)
+                t_kernel = timed(kernel, make_set, (entries, window, sinks), few=2, many=5)
+            except Exception as e:  # a tiling the GPU cannot compile: say so and go on
+                print(f"{tiling}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            emit(args, rows, {"op": "prefill_attention", "layer": layer, "context": context, "chunk": chunk,
+                              **tiling, "kernel_ms": t_kernel * 1e3, "TFLOPs": flops / t_kernel / 1e12,
+                              "rel_err": float(np.linalg.norm(got - want) / np.linalg.norm(want))}, bandwidth)
+        del entries
+    return rows
+
+
 def bench_export(args, cfg, bandwidth):
     """Load a `dsjax export` artifact, run its prefill and decode steps with random weights, check them
     against the engine's own jitted steps (greedy tokens equal, logprobs close) and time a decode step."""
@@ -434,7 +494,8 @@ def read_ncu(args, cfg, bandwidth):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("attention", "tune", "indexer", "prefill-indexer", "export", "variants", "ncu"))
+    p.add_argument("what", choices=("attention", "tune", "indexer", "prefill-indexer", "prefill-attention", "export",
+                                      "variants", "ncu"))
     p.add_argument("--variant", nargs="+", default=[], help="variants: JSON kernel specs, e.g. "
                    '\'{"op": "attention", "kv": "fp8", "batch": 64, "context": 131072, "block_h": 32}\'')
     p.add_argument("--ncu-log", help="ncu: the output of a `variants` run under ncu")
@@ -474,7 +535,8 @@ def main(argv=None) -> int:
         bandwidth = copy_bandwidth(32 << 20 if args.interpret else 2 << 30)
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = {"attention": bench_attention, "tune": bench_tune, "indexer": bench_indexer,
-            "prefill-indexer": bench_prefill_indexer, "export": bench_export, "variants": run_variants,
+            "prefill-indexer": bench_prefill_indexer, "prefill-attention": bench_prefill_attention,
+            "export": bench_export, "variants": run_variants,
             "ncu": read_ncu}[args.what](args, cfg, bandwidth)
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "op"))
     print(" ".join(f"{k:>10}" for k in keys))

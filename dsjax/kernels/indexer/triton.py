@@ -104,10 +104,11 @@ def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: 
 
 @functools.partial(jax.jit, static_argnames=("scale", *_TILING))
 def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys_len_bc: jax.Array, scale: float,
-                           *, block_q: int = 4, block_t: int = 64, tiles: int = 16, num_warps: int = 4,
+                           *, block_q: int = 4, block_t: int = 128, tiles: int = 8, num_warps: int = 4,
                            num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """`reference.index_scores_chunk_reference` as a Pallas kernel (same arguments and `[B, C, T]` result);
-    `block_q` queries of a slot per program (C is padded to a multiple of it)."""
+    `block_q` queries of a slot per program (C is padded to a multiple of it). The default tiling was the
+    fastest of a sweep on an H200 at 1M context, 2048 queries (`docs/benchmarks.md`)."""
     b, c_len, h, c = q_bchc.shape
     if isinstance(keys, PackedKV) and keys.fmt != "fp8":
         raise CannotTile(f"index_scores_gpu: index keys are stored as fp8 or float, got {keys.fmt}")
