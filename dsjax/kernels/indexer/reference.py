@@ -19,8 +19,17 @@ def index_scores_chunk_reference(q_bchc: jax.Array, weights_bch: jax.Array, keys
     queries per slot; −inf for `t ≥ keys_len[b, c]`."""
     f32, exact = jnp.float32, jax.lax.Precision.HIGHEST
     keys_btc = read_rows(keys, f32)
-    dots_bcht = jnp.einsum("bchd,btd->bcht", q_bchc.astype(f32), keys_btc, precision=exact)
-    score_bct = jnp.einsum("bcht,bch->bct", jax.nn.relu(dots_bcht) * scale, weights_bch.astype(f32), precision=exact)
+
+    def head(score_bct, qw):
+        # One head at a time: the temporaries stay [B, C, T] (a [B, C, heads, T] product would take
+        # 550 GB for a chunk of 8,192 queries at 1M tokens of context).
+        q_bcd, w_bc = qw
+        dots_bct = jnp.einsum("bcd,btd->bct", q_bcd.astype(f32), keys_btc, precision=exact)
+        return score_bct + jax.nn.relu(dots_bct) * scale * w_bc.astype(f32)[..., None], None
+
+    b, c_len = q_bchc.shape[:2]
+    zeros = jnp.zeros((b, c_len, keys_btc.shape[1]), f32)
+    score_bct, _ = jax.lax.scan(head, zeros, (jnp.moveaxis(q_bchc, 2, 0), jnp.moveaxis(weights_bch, 2, 0)))
     visible_bct = jnp.arange(score_bct.shape[-1]) < keys_len_bc[..., None]
     return jnp.where(visible_bct, score_bct, -jnp.inf)
 
