@@ -35,6 +35,15 @@ def mosaic_splits(b: int, n_keys: int) -> int:
     return max(1, min(_GPU_CORES // b, n_keys // 64))
 
 
+def prefill_tiling(entries, idx_bck: jax.Array | None) -> dict:
+    """The GPU kernel's tiling for a prefill chunk: the fastest of a sweep on an H200 at 1M tokens of
+    context, 2,048 queries, bf16 (`docs/benchmarks.md`): HCA's long prefixes of entries (and sliding
+    layers) in blocks of 64 keys for 64 heads at once; CSA's 512 picks in blocks of 32 keys for 32 heads."""
+    if entries is not None and idx_bck is not None:
+        return dict(block_h=32, block_k=32, num_warps=4, num_stages=3)
+    return dict(block_h=64, block_k=64, num_warps=8, num_stages=2)
+
+
 def keys_per_query(window, entries, picks: jax.Array | None) -> int:
     """About how many keys one query reads: the window rows plus its picks or every entry row."""
     n = jax.tree.leaves(window)[0].shape[1]
@@ -87,7 +96,7 @@ def _sparse_prefill(q_bchd, window, window_start_bc, window_end_bc, entries, sin
     args = (q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale)
     kw = dict(entries_len_bc=entries_len_bc, idx_bck=idx_bck)
     b, c, h, _ = q_bchd.shape
-    tiling = gpu_tiling(b * c, h, keys_per_query(window, entries, idx_bck))
+    tiling = gpu_tiling(b * c, h, keys_per_query(window, entries, idx_bck), **prefill_tiling(entries, idx_bck))
     return dispatch(functools.partial(sparse_prefill_reference, *args, **kw), kernels=kernels,
                     gpu=lambda interpret: sparse_prefill_gpu(*args, **kw, **tiling, interpret=interpret),
                     tpu=lambda: sparse_prefill_tpu(*args, **kw))
