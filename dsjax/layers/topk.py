@@ -3,7 +3,8 @@ them picks (ties to the lower index), in two small selections instead of one ove
 
 At long context a query scores T entries (262,144 at 1M tokens) and keeps k = 512; a top-k over the
 whole row is a sort of it on GPUs, once per query. Instead: cut the row into blocks of `block`
-entries, take the k blocks with the largest maxima, then the k best of those k·block entries. The
+entries, take the k blocks with the largest maxima (a pick of its own, made the same way when there are
+many blocks), then the k best of those k·block entries. The
 k best entries lie in those blocks: each block outside them has a maximum no larger than k other
 blocks' maxima, all distinct entries, so none of its entries can rank above k others. With ties, the
 lower block index wins the first selection and the candidates keep index order, so the lower entry
@@ -39,9 +40,11 @@ def top_picks(score_bst: jax.Array, k: int, block: int | None = None) -> jax.Arr
         lead = score_bst.shape[:-1]
         padded = jnp.pad(score_bst, ((0, 0),) * len(lead) + ((0, n_blocks * block - t),), constant_values=-jnp.inf)
         blocks = padded.reshape(*lead, n_blocks, block)
-        _, chosen = jax.lax.top_k(jnp.max(blocks, axis=-1), k)
-        chosen = jnp.sort(chosen, axis=-1)  # candidates in index order: ties then go to the lower index
-        candidates = jnp.take_along_axis(blocks, chosen[..., None], axis=-2).reshape(*lead, k * block)
+        # The k blocks by maximum are themselves a pick of k among n_blocks scores, made the same way
+        # (in index order, −1 for blocks of −inf only); candidates in index order send ties to the lower index.
+        chosen = top_picks(jnp.max(blocks, axis=-1), k)
+        candidates = jnp.take_along_axis(blocks, jnp.maximum(chosen, 0)[..., None], axis=-2)
+        candidates = jnp.where(chosen[..., None] >= 0, candidates, -jnp.inf).reshape(*lead, k * block)
         top, pos = jax.lax.top_k(candidates, k)
         idx = jnp.take_along_axis(chosen, pos // block, axis=-1) * block + pos % block
     idx = jnp.where(top > -jnp.inf, idx, t)  # invalid picks sort last

@@ -79,10 +79,10 @@ def test_greedy_decode_with_kernels_gives_the_references_tokens(kv_dtype, dtype,
     out = {}
     for k in ("reference", kernels):
         m = model(k, dtype, wide)
-        if k != "reference":  # decode runs both decode kernels, prefill the prefill kernel
+        if k != "reference":  # decode runs both decode kernels, prefill the prefill kernels
             decode, prefill = step_jaxpr(m, kv_dtype, 1), step_jaxpr(m, kv_dtype, 16)
             for name, text in (("dsjax_sparse_decode", decode), ("dsjax_index_scores", decode),
-                               ("dsjax_sparse_prefill", prefill)):
+                               ("dsjax_sparse_prefill", prefill), ("dsjax_index_scores", prefill)):
                 assert name in text, name
             # bf16 rows and 64 heads of 512: CSA and sliding layers decode through the Mosaic kernel.
             assert ("dsjax_sparse_decode_mosaic" in decode) == wide

@@ -47,10 +47,12 @@ def test_top_picks_by_hand():
 
 
 
-@pytest.mark.parametrize("t, k, block", [(200, 8, 4), (203, 8, 16), (64, 8, 8), (1000, 16, None), (37, 5, 3)])
+@pytest.mark.parametrize("t, k, block", [(200, 8, 4), (203, 8, 16), (64, 8, 8), (1000, 16, None), (37, 5, 3),
+                                         (4000, 8, None)])
 def test_two_step_pick_equals_one_top_k_with_ties(t, k, block):
-    """Blocks of `block` entries (the last one partial where `block` does not divide T); scores from a
-    few values, so ties straddle blocks; −inf entries; one row all −inf, one with fewer finite than k."""
+    """Blocks of `block` entries (the last one partial where `block` does not divide T; 4,000 entries pick
+    their blocks in two steps again); scores from a few values, so ties straddle blocks; −inf entries; one
+    row all −inf, one with fewer finite than k."""
     rng = np.random.default_rng(t * k)
     score = rng.integers(-4, 4, (2, 9, t)).astype(np.float32)
     score[rng.random(score.shape) < 0.3] = -np.inf
