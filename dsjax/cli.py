@@ -526,8 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prefill and decode throughput of the engine against the roofline",
                         description="Build the model with random weights (or load one), run the engine as "
                         "`generate` does (one prefill, then greedy decode steps without stop tokens) and report "
-                        "prefill tokens/s, decode tokens/s per sequence and in all, the decode step split into "
-                        "attention, indexer, MoE and the rest (profiler trace, GPUs), peak device memory, and "
+                        "prefill tokens/s, decode tokens/s per sequence and in all, the decode step and the whole "
+                        "prefill split into attention, indexer scores, top-k, MoE and the rest (profiler trace, "
+                        "GPUs; --no-breakdown skips it, which saves one more prefill), peak device memory, and "
                         "the roofline: the bytes and FLOPs the steps must move over the measured copy bandwidth "
                         "and matmul rate. See docs/benchmarks.md.")
     _model_source(be)
