@@ -348,7 +348,16 @@ def _plan(args: argparse.Namespace) -> int:
     run = run_config(args)  # bad input fails before anything is compiled
     budget = parse_bytes(args.device_mem)
     _ensure_cpu_devices(math.prod(parse_mesh(run.mesh).values()))
-    cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
+    if args.layers is not None:
+        from dsjax.bench import bench_config
+
+        if args.model:
+            raise ValueError("--layers cuts a preset; a --model folder is planned whole")
+        if not isinstance(args.layers, int):
+            raise ValueError(f"plan's --layers takes a count (the preset's first N layers), got {list(args.layers)}")
+        cfg = bench_config(args.preset, args.layers, run.weights)
+    else:
+        cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
     common = dict(device_mem=budget, model_name=args.preset or args.model)
     base = plan(cfg, run, **common)
     fit = None
@@ -515,6 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "slots": "sequences in flight over the mesh (a multiple of the dp·ep devices)",
                      "mesh": "e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp); host CPU devices stand in for "
                              "missing ones"})
+    pl.add_argument("--layers", type=_layers_arg, help="keep the preset's first N decoder layers (the slice "
+                    "`dsjax bench --layers N` runs, to compare its peak memory with the plan)")
     pl.add_argument("--device-mem", default="141GB",
                     help="memory budget per device: '141GB' (10^9), '80GiB' (2^30) or bytes ('141e9'); "
                          "default 141GB (an H200)")

@@ -188,7 +188,17 @@ def test_cli_prints_the_table(planned, capsys):
     assert "1,048,576-token sequences: 0 per device, 0 over the mesh" in out
 
 
+def test_cli_plans_a_preset_cut_to_its_first_layers(planned, capsys):
+    """`--layers N` plans the slice `dsjax bench --layers N` runs: fewer weights than the whole preset."""
+    assert main(CLI + ["--layers", "1", "--device-mem", "2MB", "--no-search"]) == 0
+    out = capsys.readouterr().out
+    weights = re.search(r"^  weights +([\d,.]+) KB", out, re.M)
+    assert weights and 0 < float(weights.group(1).replace(",", "")) * 1e3 < planned.weights
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--layers", "0,1"], "plan's --layers takes a count"),
+    (["--layers", "99"], "--layers must be between 1 and"),
     (["--device-mem", "141XB"], "device memory '141XB'"),
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--mesh", "dp=9"], "needs 9 devices"),
