@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.cache import CompressorState, LayerCache, extend_window, gather_windows, is_packed, num_entries, \
-    read_rows, store_windows, write_entries
+    store_windows, write_entries
 from dsjax.cache_formats import quantize_dequantize
 from dsjax.config_v41 import FULL, REINDEX, LayerRole, V41Config
 from dsjax.kernels.indexer.op import index_scores
@@ -164,9 +164,9 @@ class CSA2Indexer(nnx.Module):
         visible), through the indexer's kernel op (`kernels.indexer`): decode and prefill chunks alike."""
         cfg = self.cfg
         q_bchc = self.queries(q_res_bcr, positions_bc, rounding)
-        w_bch = self.scorer.weights_proj(x_bch).astype(jnp.float32) * cfg.index_n_heads ** -0.5
         n_bc = num_entries(positions_bc + 1, self.role.ratio)
-        return index_scores(q_bchc, w_bch, keys, n_bc, cfg.index_head_dim ** -0.5, kernels=self.kernels)
+        return index_scores(q_bchc, self.scorer.head_weights(x_bch), keys, n_bc, cfg.index_head_dim ** -0.5,
+                            kernels=self.kernels)
 
     def select(self, score_bst: jax.Array, positions_bs: jax.Array, shared: Shared) -> tuple[Shared, jax.Array]:
         """The new selection (and, at the candidate source, the candidate pool) from the scores, and the

@@ -22,13 +22,17 @@ class IndexerScorer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, rngs=rngs, dtype=dtype)
 
+    def head_weights(self, x_bsh: jax.Array) -> jax.Array:
+        """`w [B, S, nI]` in fp32."""
+        w_bsh = self.weights_proj(x_bsh).astype(jnp.float32)
+        return w_bsh * (w_bsh.shape[-1] ** -0.5)
+
     def __call__(self, q_bshc: jax.Array, keys_btc: jax.Array, x_bsh: jax.Array) -> jax.Array:
         """`score[b,s,t] = Σ_h w[b,s,h] · relu(q[b,s,h]·k[b,t]) · c^-0.5`, all in fp32."""
-        n_heads, c = q_bshc.shape[-2:]
+        c = q_bshc.shape[-1]
         dots_bsht = einsum("bshc,btc->bsht", q_bshc.astype(jnp.float32), keys_btc.astype(jnp.float32))
         s_bsht = jax.nn.relu(dots_bsht) * (c ** -0.5)
-        w_bsh = self.weights_proj(x_bsh).astype(jnp.float32) * (n_heads ** -0.5)
-        return einsum("bsht,bsh->bst", s_bsht, w_bsh)
+        return einsum("bsht,bsh->bst", s_bsht, self.head_weights(x_bsh))
 
 
 class Indexer(Compressor):
@@ -42,15 +46,18 @@ class Indexer(Compressor):
                                quant=cfg.quantization)
         self.scorer = IndexerScorer(cfg, rngs=rngs, dtype=dtype)
 
+    def queries(self, q_res_bsr: jax.Array, positions_bs: jax.Array) -> jax.Array:
+        """Index queries `[B, S, nI, c]` from the attention's `q_res`, rotated at the token position."""
+        b, s, _ = q_res_bsr.shape
+        q_bshc = self.q_b_proj(q_res_bsr).reshape(b, s, self.cfg.index_n_heads, self.width)
+        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bs, q_bshc.dtype)
+        return apply_rope(q_bshc, cos[:, :, None], sin[:, :, None])
+
     def scores(self, x_bsh, q_res_bsr, positions_bs, keys_btc=None):
         """Index scores `[B,S,T]` with causally invisible entries at −inf (keys default to x's own)."""
         if keys_btc is None:
             keys_btc = self.compress(x_bsh)
-        b, s, _ = x_bsh.shape
-        q_bshc = self.q_b_proj(q_res_bsr).reshape(b, s, self.cfg.index_n_heads, self.width)
-        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bs, q_bshc.dtype)
-        q_bshc = apply_rope(q_bshc, cos[:, :, None], sin[:, :, None])
-        score_bst = self.scorer(q_bshc, keys_btc, x_bsh)
+        score_bst = self.scorer(self.queries(q_res_bsr, positions_bs), keys_btc, x_bsh)
         visible = entry_visible(positions_bs, keys_btc.shape[1], self.rate)
         return jnp.where(visible, score_bst, -jnp.inf), visible
 
@@ -65,13 +72,9 @@ class Indexer(Compressor):
         the new key state. Scores go through `kernels.indexer.index_scores` over the keys in their storage
         (decode and prefill chunks alike), the pick through `layers.topk.top_picks`."""
         state = self.compress_into(x_bch, state, start_b, n_valid_b)
-        b, c, _ = x_bch.shape
-        q_bchc = self.q_b_proj(q_res_bcr).reshape(b, c, self.cfg.index_n_heads, self.width)
-        cos, sin = rope_table(self.cfg.rope_compress, self.cfg.head_dim, positions_bc, q_bchc.dtype)
-        q_bchc = apply_rope(q_bchc, cos[:, :, None], sin[:, :, None])
-        w_bch = self.scorer.weights_proj(x_bch).astype(jnp.float32) * (self.cfg.index_n_heads ** -0.5)
-        score_bct = index_scores(q_bchc, w_bch, state.entries, num_entries(positions_bc + 1, self.rate),
-                                 self.width ** -0.5, kernels=self.kernels)
+        score_bct = index_scores(self.queries(q_res_bcr, positions_bc), self.scorer.head_weights(x_bch),
+                                 state.entries, num_entries(positions_bc + 1, self.rate), self.width ** -0.5,
+                                 kernels=self.kernels)
         with jax.named_scope("topk"):
             idx_bck = top_picks(score_bct, self.cfg.index_topk)
         return Selection(idx_bck=idx_bck), state

@@ -4,8 +4,7 @@ them picks (ties to the lower index), in two small selections instead of one ove
 At long context a query scores T entries (262,144 at 1M tokens) and keeps k = 512; a top-k over the
 whole row is a sort of it on GPUs, once per query. Instead: cut the row into blocks of `block`
 entries, take the k blocks with the largest maxima (a pick of its own, made the same way when there are
-many blocks), then the k best of those k·block entries. The
-k best entries lie in those blocks: each block outside them has a maximum no larger than k other
+many blocks), then the k best of those k·block entries. The k best entries lie in those blocks: each block outside them has a maximum no larger than k other
 blocks' maxima, all distinct entries, so none of its entries can rank above k others. With ties, the
 lower block index wins the first selection and the candidates keep index order, so the lower entry
 index wins the second, as in the one-step pick.
