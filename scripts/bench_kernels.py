@@ -13,6 +13,7 @@ overhead cancel; host jitter only adds time, so the fastest call is kept). For s
     python scripts/bench_kernels.py indexer --batch 1 64 --context 131072
     python scripts/bench_kernels.py prefill-indexer --context 131072 1048576 --chunk 2048 --block-q 2 4 8
     python scripts/bench_kernels.py prefill-attention --context 1048576 --chunk 2048 --block-h 32 64
+    python scripts/bench_kernels.py grouped-matmul --tokens 65536 --block-m 64 128 --block-n 64 128
     dsjax export --preset tiny-kernels --platform cuda --weights bf16 --out build/export-cuda   # (on CPU)
     python scripts/bench_kernels.py export --artifact build/export-cuda
     ncu --clock-control none --kernel-name regex:dsjax --metrics gpu__time_duration.sum --csv \
@@ -373,6 +374,58 @@ def bench_prefill_attention(args, cfg, bandwidth):
     return rows
 
 
+def bench_grouped_matmul(args, cfg, bandwidth):
+    """The MoE's two bf16 grouped matmuls (gate_up `[M, hidden] × [E, hidden, 2·inter]`, down
+    `[M, inter] × [E, inter, hidden]`, M = tokens × experts per token, routed uniformly at random) through
+    tokamax's ragged_dot: its default choice, its Triton kernel, and its Mosaic GPU kernel in each
+    configuration of the grid. Outputs are compared with the default's."""
+    from tokamax.ops.gpu import PallasMosaicRaggedDot, PallasMosaicRaggedDotConfig
+
+    import tokamax
+
+    rows = []
+    e, h, inter, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    grid = [None, "triton"] + [
+        dict(block_m=bm, block_n=bn, block_k=bk, num_stages=st, persistent=pe, grid_tile_width=gw, split_k=1)
+        for bm, bn, bk, st, pe, gw in itertools.product(args.block_m, args.block_n, args.block_k_mm, args.num_stages,
+                                                        (True, False), args.grid_tile_width)]
+    for tokens, (name, k_dim, n_dim) in itertools.product(args.tokens, (("gate_up", h, 2 * inter), ("down", inter, h))):
+        m = tokens * k
+        k0, k1, k2 = jax.random.split(jax.random.key(tokens), 3)
+        w = (jax.random.normal(k0, (e, k_dim, n_dim), jnp.float32) * k_dim ** -0.5).astype(jnp.bfloat16)
+        sizes = jnp.bincount(jax.random.randint(k1, (m,), 0, e), length=e).astype(jnp.int32)
+
+        def make_set(i, m=m, k_dim=k_dim):
+            return (jax.random.normal(jax.random.key(100 + i), (m, k_dim), jnp.bfloat16),)
+
+        (x,) = make_set(0)
+        want = None
+        for choice in grid:
+            if choice is None:
+                impl, label = None, {"impl": "default"}
+            elif choice == "triton":
+                impl, label = ["triton"], {"impl": "triton"}
+            else:
+                impl, label = [PallasMosaicRaggedDot(config=PallasMosaicRaggedDotConfig(**choice))], {"impl": "mosaic",
+                                                                                                  **choice}
+
+            def kernel(w, sizes, x, impl=impl):
+                return tokamax.ragged_dot(x, w, sizes, preferred_element_type=jnp.bfloat16, implementation=impl)
+
+            try:
+                got = np.asarray(jax.jit(kernel)(w, sizes, x)[:4096], np.float32)
+                t_kernel = timed(kernel, make_set, (w, sizes), few=1, many=3, repeats=5)
+            except Exception as ex:  # a configuration this GPU cannot compile: say so and go on
+                print(f"{label}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                continue
+            want = got if want is None else want
+            emit(args, rows, {"op": "grouped_matmul", "matmul": name, "tokens": tokens, "rows": m, **label,
+                              "kernel_ms": t_kernel * 1e3, "TFLOPs": 2 * m * k_dim * n_dim / t_kernel / 1e12,
+                              "rel_err": float(np.linalg.norm(got - want) / np.linalg.norm(want))}, bandwidth)
+        del w
+    return rows
+
+
 def bench_export(args, cfg, bandwidth):
     """Load a `dsjax export` artifact, run its prefill and decode steps with random weights, check them
     against the engine's own jitted steps (greedy tokens equal, logprobs close) and time a decode step."""
@@ -494,7 +547,8 @@ def read_ncu(args, cfg, bandwidth):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("attention", "tune", "indexer", "prefill-indexer", "prefill-attention", "export",
+    p.add_argument("what", choices=("attention", "tune", "indexer", "prefill-indexer", "prefill-attention",
+                                      "grouped-matmul", "export",
                                       "variants", "ncu"))
     p.add_argument("--variant", nargs="+", default=[], help="variants: JSON kernel specs, e.g. "
                    '\'{"op": "attention", "kv": "fp8", "batch": 64, "context": 131072, "block_h": 32}\'')
@@ -516,6 +570,12 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", type=int, nargs="+", default=[16], help="indexer blocks per program")
     p.add_argument("--chunk", type=int, nargs="+", default=[2048], help="prefill-indexer: queries per chunk")
     p.add_argument("--block-q", type=int, nargs="+", default=[4], help="prefill-indexer: queries per program")
+    p.add_argument("--tokens", type=int, nargs="+", default=[65536], help="grouped-matmul: tokens routed")
+    p.add_argument("--block-m", type=int, nargs="+", default=[64, 128], help="grouped-matmul: rows per tile")
+    p.add_argument("--block-n", type=int, nargs="+", default=[64, 128], help="grouped-matmul: columns per tile")
+    p.add_argument("--block-k-mm", dest="block_k_mm", type=int, nargs="+", default=[64, 128],
+                   help="grouped-matmul: contraction per step")
+    p.add_argument("--grid-tile-width", type=int, nargs="+", default=[1, 8], help="grouped-matmul")
     p.add_argument("--reference-bytes", type=int, default=4 << 30,
                    help="prefill-indexer: time the reference where its [C, heads, T] scores take at most this")
     p.add_argument("--max-tokens", type=int, default=64 * 1048576, help="skip sizes of more batch × context")
@@ -536,6 +596,7 @@ def main(argv=None) -> int:
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = {"attention": bench_attention, "tune": bench_tune, "indexer": bench_indexer,
             "prefill-indexer": bench_prefill_indexer, "prefill-attention": bench_prefill_attention,
+            "grouped-matmul": bench_grouped_matmul,
             "export": bench_export, "variants": run_variants,
             "ncu": read_ncu}[args.what](args, cfg, bandwidth)
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "op"))

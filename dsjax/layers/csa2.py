@@ -41,7 +41,9 @@ class Shared:
     entries_btd: jax.Array | None = None  # the KV source's rotated compressed entries
     keys_btc: jax.Array | None = None  # its index keys
     picks_bsk: jax.Array | None = None  # the latest selection: entry indices in increasing order, −1 none
-    candidates_bst: jax.Array | None = None  # the candidate pool of each query (bool)
+    # The candidate pool of each query: the blocks of `candidate_block_size` entries it holds, in
+    # increasing order, −1 for none (a list, not a [B,S,T] mask: at 1M context that is 1 GiB a chunk).
+    candidates_bsn: jax.Array | None = None
 
 
 def _round(x: jax.Array, fmt: str, on: bool) -> jax.Array:
@@ -102,21 +104,45 @@ def _pool(kv_bkmn: jax.Array, gate_bkmn: jax.Array) -> jax.Array:
     return jnp.sum(kv_bkmn * jax.nn.softmax(gate_bkmn, axis=2), axis=2)
 
 
-def select_candidate_blocks(score_bst: jax.Array, visible_len_bs: jax.Array, top_blocks: int,
-                            block: int) -> jax.Array:
-    """`[B,S,T]` bool: the entries in each query's `top_blocks` best blocks of `block` entries (a block
-    scores its best entry; the block holding the newest visible entry always counts). Entries of blocks
-    chosen with no finite score are not candidates."""
+def candidate_blocks(score_bst: jax.Array, visible_len_bs: jax.Array, top_blocks: int, block: int) -> jax.Array:
+    """Each query's candidate pool `[B,S,min(top_blocks, ⌈T/block⌉)]`: its `top_blocks` best blocks of
+    `block` entries (a block scores its best entry; the block holding the newest visible entry always counts)
+    in increasing order, −1 for the places of blocks with no finite score. Picked as one `lax.top_k` over the
+    block scores would pick them (`layers.topk.top_picks`)."""
     b, s, t = score_bst.shape
     n_blocks = -(-t // block)
     padded = jnp.pad(score_bst, ((0, 0), (0, 0), (0, n_blocks * block - t)), constant_values=-jnp.inf)
     block_bsn = jnp.max(padded.reshape(b, s, n_blocks, block), axis=-1)
     newest_bs = jnp.floor_divide(visible_len_bs - 1, block)
     block_bsn = jnp.where(jnp.arange(n_blocks) == newest_bs[..., None], jnp.inf, block_bsn)
-    top, idx = jax.lax.top_k(block_bsn, min(top_blocks, n_blocks))
-    keep_bsn = jnp.zeros((b, s, n_blocks), bool)
-    keep_bsn = jax.vmap(jax.vmap(lambda row, i, v: row.at[i].set(v > -jnp.inf)))(keep_bsn, idx, top)
-    return jnp.repeat(keep_bsn, block, axis=-1)[..., :t]
+    return top_picks(block_bsn, top_blocks)
+
+
+def candidate_mask(blocks_bsn: jax.Array, n_entries: int, block: int) -> jax.Array:
+    """`[B,S,T]` bool of the entries in each query's candidate blocks."""
+    return jnp.any(blocks_bsn[..., None] == (jnp.arange(n_entries) // block), axis=-2)
+
+
+def select_candidate_blocks(score_bst: jax.Array, visible_len_bs: jax.Array, top_blocks: int,
+                            block: int) -> jax.Array:
+    """`[B,S,T]` bool: the entries in each query's `candidate_blocks`."""
+    return candidate_mask(candidate_blocks(score_bst, visible_len_bs, top_blocks, block), score_bst.shape[-1], block)
+
+
+def picks_in_pool(score_bst: jax.Array, blocks_bsn: jax.Array, block: int, k: int) -> jax.Array:
+    """The top-k picks `[B,S,k]` (increasing, −1 at the end) among the entries of each query's candidate
+    blocks only, as one `lax.top_k` over the scores with every other entry at −inf picks them: the pool's
+    k·block scores are gathered in increasing entry order, so ties still go to the lower index."""
+    b, s, t = score_bst.shape
+    n_blocks = -(-t // block)
+    padded = jnp.pad(score_bst, ((0, 0), (0, 0), (0, n_blocks * block - t)), constant_values=-jnp.inf)
+    pool = jnp.take_along_axis(padded.reshape(b, s, n_blocks, block), jnp.maximum(blocks_bsn, 0)[..., None], axis=2)
+    pool = jnp.where(blocks_bsn[..., None] >= 0, pool, -jnp.inf).reshape(b, s, -1)
+    pos = top_picks(pool, k)
+    entry = jnp.take_along_axis(blocks_bsn, jnp.maximum(pos, 0) // block, axis=-1) * block + pos % block
+    picks = jnp.where(pos >= 0, entry, -1).astype(jnp.int32)[..., :min(k, t)]  # at most min(k, t) are valid
+    # The same width as a pick over every entry, whatever the pool's size.
+    return jnp.pad(picks, ((0, 0), (0, 0), (0, min(k, t) - picks.shape[-1])), constant_values=-1)
 
 
 def picked_mask(picks_bsk: jax.Array, n_entries: int) -> jax.Array:
@@ -168,20 +194,20 @@ class CSA2Indexer(nnx.Module):
         return index_scores(q_bchc, self.scorer.head_weights(x_bch), keys, n_bc, cfg.index_head_dim ** -0.5,
                             kernels=self.kernels)
 
-    def select(self, score_bst: jax.Array, positions_bs: jax.Array, shared: Shared) -> tuple[Shared, jax.Array]:
-        """The new selection (and, at the candidate source, the candidate pool) from the scores, and the
-        scores the top-k was taken of (a Reindex layer's restricted to the candidate pool)."""
+    def select(self, score_bst: jax.Array, positions_bs: jax.Array, shared: Shared) -> Shared:
+        """The new selection (and, at the candidate source, the candidate pool) from the scores (a Reindex
+        layer's restricted to the candidate pool)."""
         cfg, role = self.cfg, self.role
-        candidates = shared.candidates_bst
-        if role.candidate_source:
-            visible_len = (positions_bs + 1) // role.ratio
-            candidates = select_candidate_blocks(score_bst, visible_len, cfg.candidate_topk_blocks,
-                                                 cfg.candidate_block_size) & (score_bst > -jnp.inf)
-        elif role.uses_candidates:
-            score_bst = jnp.where(candidates, score_bst, -jnp.inf)
+        candidates = shared.candidates_bsn
         with jax.named_scope("topk"):
-            picks = top_picks(score_bst, cfg.index_topk)
-        return dataclasses.replace(shared, picks_bsk=picks, candidates_bst=candidates), score_bst
+            if role.candidate_source:
+                candidates = candidate_blocks(score_bst, (positions_bs + 1) // role.ratio, cfg.candidate_topk_blocks,
+                                              cfg.candidate_block_size)
+            if role.uses_candidates:
+                picks = picks_in_pool(score_bst, candidates, cfg.candidate_block_size, cfg.index_topk)
+            else:
+                picks = top_picks(score_bst, cfg.index_topk)
+        return dataclasses.replace(shared, picks_bsk=picks, candidates_bsn=candidates)
 
 
 class CSA2Attention(Attention):
@@ -213,13 +239,18 @@ class CSA2Attention(Attention):
                 shared = Shared(entries_btd=entries, keys_btc=keys)
             if self.indexer is not None:
                 score_bst = self.indexer.scores(x_bsh, q_res_bsr, positions_bs, shared.keys_btc, rounding)
-                shared, score_bst = self.indexer.select(score_bst, positions_bs, shared)
+                shared = self.indexer.select(score_bst, positions_bs, shared)
+                if record is not None and (role.candidate_source or role.uses_candidates):
+                    pool_bst = candidate_mask(shared.candidates_bsn, score_bst.shape[-1], cfg.candidate_block_size)
+                    pool_bst &= score_bst > -jnp.inf
+                    if role.candidate_source:
+                        record["candidates"] = pool_bst
+                    else:  # the scores its top-k was taken of: inside the pool
+                        score_bst = jnp.where(pool_bst, score_bst, -jnp.inf)
                 if record is not None:
                     record["index_scores"] = score_bst
             if record is not None:
                 record["picks"] = shared.picks_bsk
-                if role.candidate_source:
-                    record["candidates"] = shared.candidates_bst
             entries = shared.entries_btd
             kv_bsd = jnp.concatenate([kv_bsd, entries.astype(kv_bsd.dtype)], axis=1)
             visible_bsk = jnp.concatenate([visible_bsk, picked_mask(shared.picks_bsk, entries.shape[1])], axis=-1)
@@ -274,7 +305,7 @@ class CSA2Attention(Attention):
                 with jax.named_scope("indexer"):
                     score_bct = self.indexer.cached_scores(x_bch, q_res_bcr, positions_bc, shared.keys_btc,
                                                            rounding)
-                    shared, _ = self.indexer.select(score_bct, positions_bc, shared)
+                    shared = self.indexer.select(score_bct, positions_bc, shared)
             entries, picks = shared.entries_btd, shared.picks_bsk
         scale = cfg.head_dim ** -0.5
         if c_len == 1:

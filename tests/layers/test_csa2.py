@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from dsjax.config_v41 import V41Config
-from dsjax.layers.csa2 import CSA2Compressor, picked_mask, select_candidate_blocks
+from dsjax.layers.csa2 import CSA2Compressor, candidate_blocks, picked_mask, picks_in_pool, select_candidate_blocks
 from dsjax.layers.topk import top_picks
 
 CFG = V41Config.preset("tiny-v4.1")
@@ -78,6 +78,40 @@ def test_candidate_blocks_by_hand():
     want[0, 2, :4] = True  # the pinned block; the other top block is −inf and dropped
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, ref_candidate_blocks(score, visible, 2, 4))
+
+
+def test_candidate_blocks_are_the_pool_as_a_list():
+    """The pool as increasing block indices, −1 at the end for blocks with no finite score."""
+    ninf = -np.inf
+    score = np.array([[[5, 1, 0, 0, 3, 0, 0, 0, 0.5, ninf],
+                       [ninf, ninf, ninf, 1, ninf, ninf, ninf, ninf, ninf, ninf],
+                       [ninf] * 10]]).astype(np.float32)
+    got = np.asarray(candidate_blocks(jnp.asarray(score), jnp.asarray([[9, 4, 0]]), 2, 4))
+    np.testing.assert_array_equal(got, [[[0, 2], [0, -1], [-1, -1]]])
+
+
+_pool_picks = jax.jit(picks_in_pool, static_argnums=(2, 3))
+
+
+@pytest.mark.parametrize("t, block, top_blocks, k", [(64, 8, 3, 5), (21, 4, 3, 6), (13, 4, 10, 20), (30, 2, 4, 8),
+                                                     (40, 4, 2, 16)])
+def test_picks_in_pool_equal_a_top_k_of_the_masked_scores(t, block, top_blocks, k):
+    """A Reindex layer's picks from its pool's gathered scores equal one stable top-k over every entry with
+    the entries outside the pool at −inf (ties to the lower index: the scores are rounded to force ties)."""
+    rng = np.random.default_rng(t + 7 * block + k)
+    b, s = 2, 7
+    visible = rng.integers(0, t + 1, (b, s))
+    visible[0, :3] = [0, 1, t]
+    score = np.round(_visible_scores(rng, b, s, t, visible), 1)
+    blocks = candidate_blocks(jnp.asarray(score), jnp.asarray(visible), top_blocks, block)
+    got = np.asarray(_pool_picks(jnp.asarray(score), blocks, block, k))
+    pool = ref_candidate_blocks(score, visible, top_blocks, block)
+    assert got.shape == (b, s, min(k, t))
+    for row, keep, picks in zip(score.reshape(-1, t), pool.reshape(-1, t), got.reshape(-1, min(k, t))):
+        masked = np.where(keep, row, -np.inf)
+        best = np.argsort(-masked, kind="stable")[:k]
+        want = np.sort(best[masked[best] > -np.inf])
+        np.testing.assert_array_equal(picks, np.pad(want, (0, min(k, t) - want.size), constant_values=-1))
 
 
 # ------------------------------------------------------------------------------------------ top-k picks
