@@ -309,11 +309,15 @@ def plan(cfg: ModelConfig, run: RunConfig, *, device_mem: int | str = "141GB", p
     sizes = parse_mesh(run.mesh)
     a = abstract_steps(cfg, run, prefill_rows=prefill_rows, devices=devices)
     mem = {}
+    platform = a.mesh.devices.flat[0].platform if a.mesh is not None else jax.devices()[0].platform
+    # XLA:GPU's autotuner runs candidate kernels on real buffers: a plan past the device's memory (the
+    # slot search probes those) would fail allocating them, and the analysis does not need the timings.
+    options = {"xla_gpu_autotune_level": 0} if platform in ("gpu", "cuda", "rocm") else None
     with a.context():
         for name, fn, args in (("decode", steps.decode_program, a.decode_args),
                                ("prefill", steps.prefill_program, a.prefill_args)):
             t0 = time.perf_counter()
-            compiled = fn.lower(*args).compile()
+            compiled = fn.lower(*args).compile(compiler_options=options)
             mem[name] = StepMemory.of(compiled, time.perf_counter() - t0)
             del compiled
 

@@ -10,10 +10,10 @@ from flax import nnx
 
 from dsjax.config import ModelConfig, QuantConfig
 from dsjax.layers.linear import Linear
-from dsjax.numerics import precision
 from dsjax.layers.variables import Buffer
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import dequantized
+from dsjax.kernels.grouped_dot import grouped_dot
 from dsjax.quant import quantize_fp4, quantize_fp8, ue8m0_to_float
 from dsjax.stacked import READ_IN_PLACE, StackedSlice, as_array
 
@@ -126,10 +126,7 @@ def _grouped_matmul(x_ph: jax.Array, experts: jax.Array | StoredExperts, group_s
     if isinstance(experts, StoredExperts):
         return expert_matmul(x_ph, experts.w, experts.scale, group_sizes, experts.storage, experts.block,
                              kernels=kernels)
-    import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
-
-    return tokamax.ragged_dot(x_ph, experts.astype(x_ph.dtype), group_sizes, precision=precision(x_ph),
-                              preferred_element_type=x_ph.dtype)
+    return grouped_dot(x_ph, experts, group_sizes, kernels=kernels)
 
 
 _ROW_TILE = 8

@@ -24,7 +24,7 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
     Experts given as a `StackedSlice` (with their scales) are read in place by the kernel; the
     reference cuts their layer out."""
     reference = lambda: expert_matmul_reference(x_pk, as_array(w_enk), as_array(scale),  # noqa: E731
-                                                group_sizes_e, storage, block)
+                                                group_sizes_e, storage, block, kernels=kernels)
     gpu = []
     few_rows = x_pk.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT * w_enk.shape[0]
     if few_rows and (storage == "fp4" or tuple(block) == (128, 128)):
