@@ -309,7 +309,7 @@ def plan(cfg: ModelConfig, run: RunConfig, *, device_mem: int | str = "141GB", p
     sizes = parse_mesh(run.mesh)
     a = abstract_steps(cfg, run, prefill_rows=prefill_rows, devices=devices)
     mem = {}
-    platform = a.mesh.devices.flat[0].platform if a.mesh is not None else jax.devices()[0].platform
+    platform = a.mesh.devices.flat[0].platform  # plan always runs on a mesh (dp=1 above where none is given)
     # XLA:GPU's autotuner runs candidate kernels on real buffers: a plan past the device's memory (the
     # slot search probes those) would fail allocating them, and the analysis does not need the timings.
     options = {"xla_gpu_autotune_level": 0} if platform in ("gpu", "cuda", "rocm") else None

@@ -31,7 +31,7 @@ from dsjax.layers.indexer import IndexerScorer
 from dsjax.layers.linear import Linear
 from dsjax.layers.norms import RMSNorm
 from dsjax.layers.rope import apply_rope, rope_table
-from dsjax.layers.topk import top_picks
+from dsjax.layers.topk import score_blocks, top_picks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +109,8 @@ def candidate_blocks(score_bst: jax.Array, visible_len_bs: jax.Array, top_blocks
     `block` entries (a block scores its best entry; the block holding the newest visible entry always counts)
     in increasing order, −1 for the places of blocks with no finite score. Picked as one `lax.top_k` over the
     block scores would pick them (`layers.topk.top_picks`)."""
-    b, s, t = score_bst.shape
-    n_blocks = -(-t // block)
-    padded = jnp.pad(score_bst, ((0, 0), (0, 0), (0, n_blocks * block - t)), constant_values=-jnp.inf)
-    block_bsn = jnp.max(padded.reshape(b, s, n_blocks, block), axis=-1)
+    block_bsn = jnp.max(score_blocks(score_bst, block), axis=-1)
+    n_blocks = block_bsn.shape[-1]
     newest_bs = jnp.floor_divide(visible_len_bs - 1, block)
     block_bsn = jnp.where(jnp.arange(n_blocks) == newest_bs[..., None], jnp.inf, block_bsn)
     return top_picks(block_bsn, top_blocks)
@@ -123,20 +121,12 @@ def candidate_mask(blocks_bsn: jax.Array, n_entries: int, block: int) -> jax.Arr
     return jnp.any(blocks_bsn[..., None] == (jnp.arange(n_entries) // block), axis=-2)
 
 
-def select_candidate_blocks(score_bst: jax.Array, visible_len_bs: jax.Array, top_blocks: int,
-                            block: int) -> jax.Array:
-    """`[B,S,T]` bool: the entries in each query's `candidate_blocks`."""
-    return candidate_mask(candidate_blocks(score_bst, visible_len_bs, top_blocks, block), score_bst.shape[-1], block)
-
-
 def picks_in_pool(score_bst: jax.Array, blocks_bsn: jax.Array, block: int, k: int) -> jax.Array:
     """The top-k picks `[B,S,k]` (increasing, −1 at the end) among the entries of each query's candidate
     blocks only, as one `lax.top_k` over the scores with every other entry at −inf picks them: the pool's
     k·block scores are gathered in increasing entry order, so ties still go to the lower index."""
     b, s, t = score_bst.shape
-    n_blocks = -(-t // block)
-    padded = jnp.pad(score_bst, ((0, 0), (0, 0), (0, n_blocks * block - t)), constant_values=-jnp.inf)
-    pool = jnp.take_along_axis(padded.reshape(b, s, n_blocks, block), jnp.maximum(blocks_bsn, 0)[..., None], axis=2)
+    pool = jnp.take_along_axis(score_blocks(score_bst, block), jnp.maximum(blocks_bsn, 0)[..., None], axis=2)
     pool = jnp.where(blocks_bsn[..., None] >= 0, pool, -jnp.inf).reshape(b, s, -1)
     pos = top_picks(pool, k)
     entry = jnp.take_along_axis(blocks_bsn, jnp.maximum(pos, 0) // block, axis=-1) * block + pos % block

@@ -26,6 +26,14 @@ def pick_block(t: int, k: int) -> int:
     return 1 << max(0, round(math.log2(math.sqrt(t / k))))
 
 
+def score_blocks(score: jax.Array, block: int) -> jax.Array:
+    """`[..., T]` scores → `[..., ⌈T/block⌉, block]`, the last block padded with −inf."""
+    t = score.shape[-1]
+    n_blocks = -(-t // block)
+    padded = jnp.pad(score, ((0, 0),) * (score.ndim - 1) + ((0, n_blocks * block - t),), constant_values=-jnp.inf)
+    return padded.reshape(*score.shape[:-1], n_blocks, block)
+
+
 def top_picks(score_bst: jax.Array, k: int, block: int | None = None) -> jax.Array:
     """The top `min(k, T)` entries per query `[..., k]` as indices in increasing order, −1 (at the end)
     where the score is −inf; `block` as `pick_block` chooses by default."""
@@ -37,8 +45,7 @@ def top_picks(score_bst: jax.Array, k: int, block: int | None = None) -> jax.Arr
         top, idx = jax.lax.top_k(score_bst, k)
     else:
         lead = score_bst.shape[:-1]
-        padded = jnp.pad(score_bst, ((0, 0),) * len(lead) + ((0, n_blocks * block - t),), constant_values=-jnp.inf)
-        blocks = padded.reshape(*lead, n_blocks, block)
+        blocks = score_blocks(score_bst, block)
         # The k blocks by maximum are themselves a pick of k among n_blocks scores, made the same way
         # (in index order, −1 for blocks of −inf only); candidates in index order send ties to the lower index.
         chosen = top_picks(jnp.max(blocks, axis=-1), k)

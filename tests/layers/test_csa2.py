@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from dsjax.config_v41 import V41Config
-from dsjax.layers.csa2 import CSA2Compressor, candidate_blocks, picked_mask, picks_in_pool, select_candidate_blocks
+from dsjax.layers.csa2 import CSA2Compressor, candidate_blocks, candidate_mask, picked_mask, picks_in_pool
 from dsjax.layers.topk import top_picks
 
 CFG = V41Config.preset("tiny-v4.1")
@@ -44,6 +44,11 @@ def _visible_scores(rng, b, s, t, visible_len_bs, holes=0.15):
     score[np.arange(t)[None, None, :] >= visible_len_bs[..., None]] = -np.inf
     score[rng.random((b, s, t)) < holes] = -np.inf
     return score
+
+
+def select_candidate_blocks(score_bst, visible_len_bs, top_blocks, block):
+    """The pool as a `[B,S,T]` mask, to compare with the numpy formulation."""
+    return candidate_mask(candidate_blocks(score_bst, visible_len_bs, top_blocks, block), score_bst.shape[-1], block)
 
 
 _select = jax.jit(select_candidate_blocks, static_argnums=(2, 3))
