@@ -14,6 +14,7 @@ overhead cancel; host jitter only adds time, so the fastest call is kept). For s
     python scripts/bench_kernels.py prefill-indexer --context 131072 1048576 --chunk 2048 --block-q 2 4 8
     python scripts/bench_kernels.py prefill-attention --context 1048576 --chunk 2048 --block-h 32 64
     python scripts/bench_kernels.py grouped-matmul --tokens 65536 --block-m 64 128 --block-n 64 128
+    python scripts/bench_kernels.py fp4-experts --preset v4.1-flash --tokens 8192 --block-m 16 64 128
     dsjax export --preset tiny-kernels --platform cuda --weights bf16 --out build/export-cuda   # (on CPU)
     python scripts/bench_kernels.py export --artifact build/export-cuda
     ncu --clock-control none --kernel-name regex:dsjax --metrics gpu__time_duration.sum --csv \
@@ -37,6 +38,8 @@ import numpy as np
 
 from dsjax.bench import copy_bandwidth
 from dsjax.config import CSA, HCA, ModelConfig
+from dsjax.config_v41 import model_config
+from dsjax.presets import PRESETS
 from dsjax.quant import FP8, KV_FP8_GROUP, FP4_GROUP, PackedKV
 
 KV_DTYPES = ("bfloat16", "fp8", "fp4")
@@ -424,6 +427,51 @@ def bench_grouped_matmul(args, cfg, bandwidth):
     return rows
 
 
+def bench_fp4_experts(args, cfg, bandwidth):
+    """The MoE's two grouped matmuls over FP4 experts (random e2m1 codes, ue8m0 scales spread over 2^10),
+    `--tokens` tokens routed uniformly at random: the reference as the model runs it for many rows per
+    expert (every expert dequantized to bf16, then the tuned grouped matmul) against the Mosaic GPU FP4
+    kernel with each `--block-m` (rows of one expert per program). Errors are against the reference."""
+    from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic
+    from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
+
+    rows = []
+    e, h, inter, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    for tokens, (name, k_dim, n_dim) in itertools.product(args.tokens, (("gate_up", h, 2 * inter), ("down", inter, h))):
+        m = tokens * k
+        k0, k1, k2 = jax.random.split(jax.random.key(tokens), 3)
+        codes = jax.lax.bitcast_convert_type(jax.random.bits(k0, (e, n_dim, k_dim // 8), jnp.uint32), jnp.int8)
+        codes = codes.reshape(e, n_dim, k_dim // 2)
+        scale = jax.random.randint(k1, (e, n_dim, k_dim // FP4_GROUP), 119, 129).astype(jnp.uint8)
+        sizes = jnp.bincount(jax.random.randint(k2, (m,), 0, e), length=e).astype(jnp.int32)
+
+        def make_set(i, m=m, k_dim=k_dim):
+            return (jax.random.normal(jax.random.key(100 + i), (m, k_dim), jnp.bfloat16),)
+
+        (x,) = make_set(0)
+        want = np.asarray(jax.jit(expert_matmul_reference, static_argnums=4)(x, codes, scale, sizes, "fp4"), np.float32)
+        for block_m in [None, *args.block_m]:
+            if block_m is None:
+                label = {"impl": "dequantize+grouped_dot"}
+                def kernel(codes, scale, sizes, x):
+                    return expert_matmul_reference(x, codes, scale, sizes, "fp4")
+            else:
+                label = {"impl": "mosaic_fp4", "block_m": block_m}
+                def kernel(codes, scale, sizes, x, block_m=block_m):
+                    return expert_matmul_mosaic(x, codes, scale, sizes, block_m=block_m)
+            try:
+                got = np.asarray(jax.jit(kernel)(codes, scale, sizes, x), np.float32)
+                t_kernel = timed(kernel, make_set, (codes, scale, sizes), few=1, many=3, repeats=5)
+            except Exception as ex:  # e.g. widths the kernel does not tile: say so and go on
+                print(f"{name} {label}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                continue
+            emit(args, rows, {"op": "fp4_experts", "matmul": name, "tokens": tokens, "rows": m, **label,
+                              "kernel_ms": t_kernel * 1e3, "TFLOPs": 2 * m * k_dim * n_dim / t_kernel / 1e12,
+                              "rel_err": float(np.linalg.norm(got - want) / np.linalg.norm(want))}, bandwidth)
+        del codes, scale
+    return rows
+
+
 def bench_export(args, cfg, bandwidth):
     """Load a `dsjax export` artifact, run its prefill and decode steps with random weights, check them
     against the engine's own jitted steps (greedy tokens equal, logprobs close) and time a decode step."""
@@ -546,7 +594,7 @@ def read_ncu(args, cfg, bandwidth):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=("attention", "tune", "indexer", "prefill-indexer", "prefill-attention",
-                                      "grouped-matmul", "export",
+                                      "grouped-matmul", "fp4-experts", "export",
                                       "variants", "ncu"))
     p.add_argument("--variant", nargs="+", default=[], help="variants: JSON kernel specs, e.g. "
                    '\'{"op": "attention", "kv": "fp8", "batch": 64, "context": 131072, "block_h": 32}\'')
@@ -586,7 +634,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="append the rows here")
     args = p.parse_args(argv)
     args.layer = [CSA if x == "csa" else HCA for x in args.layer]
-    cfg = ModelConfig.preset(args.preset)
+    cfg = model_config(PRESETS[args.preset])  # either family: fp4-experts reads V4.1's widths
     if args.copy_tbps:
         bandwidth = args.copy_tbps * 1e12
     else:
@@ -594,7 +642,7 @@ def main(argv=None) -> int:
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = {"attention": bench_attention, "tune": bench_tune, "indexer": bench_indexer,
             "prefill-indexer": bench_prefill_indexer, "prefill-attention": bench_prefill_attention,
-            "grouped-matmul": bench_grouped_matmul,
+            "grouped-matmul": bench_grouped_matmul, "fp4-experts": bench_fp4_experts,
             "export": bench_export, "variants": run_variants,
             "ncu": read_ncu}[args.what](args, cfg, bandwidth)
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "op"))

@@ -3,7 +3,7 @@ are wgmma's register operand A: for 128 rows or more (decode at 32 sequences and
 Triton kernel (`triton.py`), which it beats by 1.18× at 32 tokens and 1.27× at 128 on V4-Flash's gate_up
 (docs/benchmarks.md, 2026-11-30, eighth session). Same arguments, same arithmetic, same result.
 
-Each program holds one tile of `BLOCK_M` rows of one expert (`triton.group_tiles`) and `FEATURES` output
+Each program holds one tile of `block_m` rows of one expert (`triton.group_tiles`) and `FEATURES` output
 features, computes `outᵀ[features, rows] = W · xᵀ` (wgmma's M is 64: the features, its N the rows)
 and walks the inputs `8 · WORDS` at a time:
 
@@ -47,6 +47,7 @@ from dsjax.quant import FP4_GROUP
 WORDS = 32      # int32 code words per row per step (256 inputs): measured best against 64
 FEATURES = 64   # output features per program (wgmma's M): measured best against 128
 BLOCK_M = 16    # rows per tile (wgmma's N): measured best against 8 and 32 from 128 rows on
+MAX_BLOCK_M = 128  # with 2 stages, 128 rows of 4 pairs' fp16 inputs fill 128 KiB of shared memory
 STAGES = 2      # steps in flight: measured best against 3 and 4
 MIN_ROWS = 128  # below, the Triton kernel is faster (8 tokens × 6 experts: 0.37 ms against 0.46)
 _WGMMA = plgpu.Layout.WGMMA
@@ -114,7 +115,7 @@ def _column(block, c):
 
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
-          interpret: bool):
+          block_m: int, interpret: bool):
     t, nb = lax.axis_index("t"), lax.axis_index("n")
     plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
     plgpu.barrier_wait(bar)
@@ -160,7 +161,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
                 in_specs=[
                     plgpu.BlockSpec((FEATURES, WORDS), lambda kb: (0, kb),
                                     transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-                    *[plgpu.BlockSpec((BLOCK_M, 2 * WORDS), lambda kb: (0, kb),
+                    *[plgpu.BlockSpec((block_m, 2 * WORDS), lambda kb: (0, kb),
                                       transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))] * 4,
                 ],
                 max_concurrent_steps=STAGES,
@@ -168,7 +169,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
             return acc[...]
 
         acc_ref = None
-        acc = pl.run_scoped(pipelined, plgpu.ACC((FEATURES, BLOCK_M), jnp.float32))
+        acc = pl.run_scoped(pipelined, plgpu.ACC((FEATURES, block_m), jnp.float32))
         acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
         out_smem[...] = acc
         plgpu.commit_smem()
@@ -176,14 +177,20 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
 def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
-                         layer: jax.Array | None = None, *, interpret: bool = False) -> jax.Array:
+                         layer: jax.Array | None = None, *, block_m: int = BLOCK_M,
+                         interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, "fp4")` as a Mosaic GPU
     kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`) and
-    the kernel reads entry `layer` where it lies. Raises CannotTile for what it does not take:
-    non-bf16 activations, float scales, widths that do not tile (K a multiple of 1024, N of 64)."""
+    the kernel reads entry `layer` where it lies. `block_m` rows of one expert per program (wgmma's N):
+    an expert's codes are decoded once per `block_m` of its rows, so prefill wants many. Raises
+    CannotTile for what it does not take: non-bf16 activations, float scales, widths that do not tile
+    (K a multiple of 1024, N of 64)."""
     p, k = x_pk.shape
+    if block_m % 8 or not 8 <= block_m <= MAX_BLOCK_M:
+        raise ValueError(f"expert_matmul_mosaic: block_m must be a multiple of 8 from 8 to {MAX_BLOCK_M}, "
+                         f"got {block_m}")
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_mosaic")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:
@@ -197,30 +204,35 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     words = lax.bitcast_convert_type(w_enk.reshape(e, n, k // 8, 4), jnp.int32)
     scale = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint8).reshape(e, n, k // 128, 4), jnp.int32)
     pieces, unscale_p = fp16_rows({0: x_pk})
-    x_qpc = renumbered(jnp.pad(pieces[0], ((0, BLOCK_M), (0, 0))))  # [4, P + BLOCK_M, K/4]
-    group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, BLOCK_M)
-    # Each tile's rows copied out ([4, T, BLOCK_M, K/4]): TMA into tiled shared memory needs row offsets
+    x_qpc = renumbered(jnp.pad(pieces[0], ((0, block_m), (0, 0))))  # [4, P + block_m, K/4]
+    group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
+    # Each tile's rows copied out ([4, T, block_m, K/4]): TMA into tiled shared memory needs row offsets
     # that are multiples of 8, and a tile starts wherever its expert's rows do. On the H200 these copies
     # (T ≥ E tiles, mostly of padding rows) cost 0.76 ms of a 7.0 ms decode step at 32 sequences, whether
     # gathered row by row or as slabs: docs/kernels.md has the plan that drops them.
-    x_qtmc = jax.vmap(lambda r: lax.dynamic_slice_in_dim(x_qpc, r, BLOCK_M, axis=1), out_axes=1)(row0_t)
+    x_qtmc = jax.vmap(lambda r: lax.dynamic_slice_in_dim(x_qpc, r, block_m, axis=1), out_axes=1)(row0_t)
     tiles = jnp.stack([group_t + first_expert, row0_t, rows_t, rows_t], axis=1)  # [T, 4]
     n_tiles = tiles.shape[0]
     scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM((FEATURES, k // 128), jnp.int32),
-               plgpu.SMEM((FEATURES, BLOCK_M), jnp.float32), plgpu.Barrier()]
+               plgpu.SMEM((FEATURES, block_m), jnp.float32), plgpu.Barrier()]
     if interpret:
         scratch.append(plgpu.SMEM((FEATURES, 2 * WORDS), jnp.float16))
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
-        _body(*refs, n_k=k // (8 * WORDS), interpret=interpret)
+        _body(*refs, n_k=k // (8 * WORDS), block_m=block_m, interpret=interpret)
 
     kernel = plgpu.kernel(
-        dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, BLOCK_M), jnp.float32),
+        dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, block_m), jnp.float32),
         scratch_types=scratch, grid=(n_tiles, n // FEATURES), grid_names=("t", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     out_tnm = kernel(tiles, x_qtmc, words, scale)
     # Row i of the expert-sorted rows is row i - row0 of its tile; tiles holding rows come first, in order.
     tile_p = jnp.searchsorted(jnp.where(rows_t > 0, row0_t + rows_t, p + 1), jnp.arange(p), side="right")
     tile_p = jnp.minimum(tile_p, n_tiles - 1)
-    out_pn = out_tnm[tile_p, :, jnp.arange(p) - row0_t[tile_p]]
+    within_p = jnp.arange(p) - row0_t[tile_p]
+    if block_m < 64:  # few rows a tile (decode): pick the P · N results out of the tiles
+        out_pn = out_tnm[tile_p, :, within_p]
+    else:  # most of the tiles' results are wanted: transpose them at copy speed, then take whole rows
+        out_pn = jnp.take(jnp.swapaxes(out_tnm, 1, 2).reshape(n_tiles * block_m, n), tile_p * block_m + within_p,
+                          axis=0)
     return (out_pn * unscale_p[:, None]).astype(x_pk.dtype)
