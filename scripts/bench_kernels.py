@@ -428,7 +428,8 @@ def bench_grouped_matmul(args, cfg, bandwidth):
 
 
 def bench_fp4_experts(args, cfg, bandwidth):
-    """The MoE's two grouped matmuls over FP4 experts (random e2m1 codes, ue8m0 scales spread over 2^10),
+    """The MoE's two grouped matmuls over FP4 experts (random e2m1 codes, ue8m0 scales spread over 2^10,
+    new scales for each input set),
     `--tokens` tokens routed uniformly at random: the reference as the model runs it for many rows per
     expert (every expert dequantized to bf16, then the tuned grouped matmul) against the Mosaic GPU FP4
     kernel with each `--block-m` (rows of one expert per program). Errors are against the reference."""
@@ -439,29 +440,30 @@ def bench_fp4_experts(args, cfg, bandwidth):
     e, h, inter, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     for tokens, (name, k_dim, n_dim) in itertools.product(args.tokens, (("gate_up", h, 2 * inter), ("down", inter, h))):
         m = tokens * k
-        k0, k1, k2 = jax.random.split(jax.random.key(tokens), 3)
+        k0, k2 = jax.random.split(jax.random.key(tokens))
         codes = jax.lax.bitcast_convert_type(jax.random.bits(k0, (e, n_dim, k_dim // 8), jnp.uint32), jnp.int8)
         codes = codes.reshape(e, n_dim, k_dim // 2)
-        scale = jax.random.randint(k1, (e, n_dim, k_dim // FP4_GROUP), 119, 129).astype(jnp.uint8)
         sizes = jnp.bincount(jax.random.randint(k2, (m,), 0, e), length=e).astype(jnp.int32)
 
-        def make_set(i, m=m, k_dim=k_dim):
-            return (jax.random.normal(jax.random.key(100 + i), (m, k_dim), jnp.bfloat16),)
+        def make_set(i, m=m, k_dim=k_dim, n_dim=n_dim):  # scales too, so no set's dequantization is shared
+            x = jax.random.normal(jax.random.key(100 + i), (m, k_dim), jnp.bfloat16)
+            scale = jax.random.randint(jax.random.key(200 + i), (e, n_dim, k_dim // FP4_GROUP), 119, 129)
+            return x, scale.astype(jnp.uint8)
 
-        (x,) = make_set(0)
+        x, scale = make_set(0)
         want = np.asarray(jax.jit(expert_matmul_reference, static_argnums=4)(x, codes, scale, sizes, "fp4"), np.float32)
         for block_m in [None, *args.block_m]:
             if block_m is None:
                 label = {"impl": "dequantize+grouped_dot"}
-                def kernel(codes, scale, sizes, x):
+                def kernel(codes, sizes, x, scale):
                     return expert_matmul_reference(x, codes, scale, sizes, "fp4")
             else:
                 label = {"impl": "mosaic_fp4", "block_m": block_m}
-                def kernel(codes, scale, sizes, x, block_m=block_m):
+                def kernel(codes, sizes, x, scale, block_m=block_m):
                     return expert_matmul_mosaic(x, codes, scale, sizes, block_m=block_m)
             try:
-                got = np.asarray(jax.jit(kernel)(codes, scale, sizes, x), np.float32)
-                t_kernel = timed(kernel, make_set, (codes, scale, sizes), few=1, many=3, repeats=5)
+                got = np.asarray(jax.jit(kernel)(codes, sizes, x, scale), np.float32)
+                t_kernel = timed(kernel, make_set, (codes, sizes), few=1, many=3, repeats=5)
             except Exception as ex:  # e.g. widths the kernel does not tile: say so and go on
                 print(f"{name} {label}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                 continue

@@ -40,6 +40,7 @@ def test_input_order_renumbers_every_input_once_per_pair():
     ([3, 0, 17, 1, 6], 0, 1024, 128),    # an empty group, a group over two tiles
     ([0, 0, 40, 0, 0], 5, 2048, 64),     # one group of three tiles; rows routed to no group after it
     ([1, 1, 1, 1, 1], 11, 1024, 192),    # one-row groups, three feature blocks
+    ([9, 4, 20], 3, 1280, 64),           # 10 scale words a row, padded to 16 (as V4.1's down_proj's 18)
 ])
 def test_kernel_matches_reference(sizes, extra, k, n):
     """Random experts with scales spread over 2^13 (interpreted: no GPU needed)."""
@@ -99,10 +100,19 @@ def test_kernel_reads_one_layer_of_stacked_experts_in_place():
     """With `layer`, the kernel reads that entry of `[L, E, …]` stacks: the same result as on the layer
     cut out; and the op, given `StackedSlice`s and `MIN_ROWS` rows, runs this kernel."""
     layers = [experts("fp4", 3, 64, 1024, seed=s) for s in range(2)]
+    check_stacked_layers(layers, 1024)
+
+
+def test_kernel_reads_one_layer_of_stacked_experts_whose_scales_it_pads():
+    """2,304 inputs (V4.1's down_proj): the layer's scale rows are padded out of the stack."""
+    check_stacked_layers([experts("fp4", 3, 64, 2304, seed=s) for s in range(2)], 2304)
+
+
+def check_stacked_layers(layers, k):
     q, s = jnp.stack([w for w, _ in layers]), jnp.stack([sc for _, sc in layers])
     rows = mosaic_gpu.MIN_ROWS
     sizes = jnp.asarray([50, 0, rows - 60], jnp.int32)  # ten rows routed to no expert
-    x = jnp.asarray(np.random.default_rng(4).standard_normal((rows, 1024)), jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((rows, k)), jnp.bfloat16)
     for layer in range(2):
         index = jnp.int32(layer)
         got = expert_matmul_mosaic(x, q, s, sizes, index, interpret=True)[:rows - 10]
@@ -113,9 +123,9 @@ def test_kernel_reads_one_layer_of_stacked_experts_in_place():
         close(got, expert_matmul_reference(x, q[layer], s[layer], sizes, "fp4")[:rows - 10])
 
 
-def lowered_op(storage: str, rows: int, stacked: bool = False) -> str:
-    """The op on `rows` rows, lowered for cuda, as MLIR text."""
-    q, s = experts(storage, 4, 128, 1024)
+def lowered_op(storage: str, rows: int, stacked: bool = False, e: int = 4) -> str:
+    """The op on `rows` rows of `e` experts, lowered for cuda, as MLIR text."""
+    q, s = experts(storage, e, 128, 1024)
     if stacked:
         q, s = jnp.stack([q, q]), jnp.stack([s, s])
         def fn(x, g):
@@ -126,7 +136,7 @@ def lowered_op(storage: str, rows: int, stacked: bool = False) -> str:
     h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
     with jax.sharding.use_abstract_mesh(h200):
         return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
-            jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)).mlir_module()
+            jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((e,), jnp.int32)).mlir_module()
 
 
 def test_op_takes_this_kernel_for_fp4_from_min_rows_on():
@@ -141,10 +151,25 @@ def test_op_takes_this_kernel_for_fp4_from_min_rows_on():
         assert f"tensor<{layer}>" not in text and f"tensor<1x{layer}>" not in text
 
 
+def test_op_tiles_prefill_by_prefill_block_m_rows():
+    """Decode-sized calls run 16-row tiles; from `PREFILL_ROWS_PER_EXPERT` rows per expert on, tiles of
+    `PREFILL_BLOCK_M` rows (the kernel's `[tiles, features, rows]` output shows which)."""
+    e = 16
+    decode_rows = mosaic_gpu.PREFILL_ROWS_PER_EXPERT * e - 8
+    prefill_rows = mosaic_gpu.PREFILL_ROWS_PER_EXPERT * e
+    assert decode_rows >= mosaic_gpu.MIN_ROWS
+    tiles = lambda rows, block_m: -(-rows // block_m) + e  # noqa: E731
+    decode = lowered_op("fp4", decode_rows, e=e)
+    assert f"tensor<{tiles(decode_rows, mosaic_gpu.BLOCK_M)}x128x{mosaic_gpu.BLOCK_M}xf32>" in decode
+    prefill = lowered_op("fp4", prefill_rows, e=e)
+    block_m = mosaic_gpu.PREFILL_BLOCK_M
+    assert f"tensor<{tiles(prefill_rows, block_m)}x128x{block_m}xf32>" in prefill
+
+
 @pytest.mark.parametrize("change,message,untileable", [
     (lambda x, q, s: (x.astype(jnp.float32), q, s), "activations must be bf16", True),
     (lambda x, q, s: (x, q, s.astype(jnp.float32)), "ue8m0", True),
-    (lambda x, q, s: (x[:, :512], q[:, :, :256], s[:, :, :16]), "do not tile", True),
+    (lambda x, q, s: (x[:, :384], q[:, :, :192], s[:, :, :12]), "do not tile", True),
     (lambda x, q, s: (x, q[:, :96], s[:, :96]), "do not tile", True),
     (lambda x, q, s: (x, q, s, 0), "stacked experts needs", False),
     (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], 0), "stacked experts needs", False),
