@@ -12,7 +12,10 @@ gives the figures:
   weights, the cache and the step's small inputs, checked to add up);
 - cache: likewise for the cache arrays;
 - temporaries: XLA's temp allocation, the larger of decode's and prefill's;
-- other: step inputs and outputs that are neither weights nor the (donated, aliased) cache.
+- other: step inputs and outputs that are neither weights nor the (donated, aliased) cache, and the
+  inputs of a longest prompt's later chunks: the engine dispatches every chunk of a prefill at once, so
+  those (tokens, starts, lengths, ends; each allocation rounded up to 256 bytes, the GPU allocator's unit)
+  wait on the device while the first chunks run (`queued_prefill_inputs`).
 
 Fitting more sequences: per device, cache bytes are `slots_local · per_slot(max_len) + 4 · slots`
 (the lengths, replicated), and `per_slot(L) = fixed + Σ_m row_bytes_m · ⌊L / m⌋` over the compress
@@ -148,6 +151,7 @@ class Plan:
     prefill: StepMemory
     cache_model: CacheModel
     small_inputs: dict  # step → bytes of its arguments that are neither weights nor cache
+    queued_inputs: int  # the later chunks' inputs of a max_len prompt (`queued_prefill_inputs`)
 
     @property
     def temp(self) -> int:
@@ -155,9 +159,10 @@ class Plan:
 
     @property
     def other(self) -> int:
-        """Step inputs and outputs besides weights and cache (tokens, sampling rows, sampled tokens)."""
-        return max(self.small_inputs[name] + s.output - s.alias
-                   for name, s in (("decode", self.decode), ("prefill", self.prefill)))
+        """Step inputs and outputs besides weights and cache (tokens, sampling rows, sampled tokens), and
+        the inputs of a longest prompt's chunks queued behind the running one."""
+        return self.queued_inputs + max(self.small_inputs[name] + s.output - s.alias
+                                        for name, s in (("decode", self.decode), ("prefill", self.prefill)))
 
     @property
     def total(self) -> int:
@@ -198,7 +203,8 @@ class Plan:
             f" per slot, {self.slots // self.cache_model.slot_shards} slots per device)",
             f"  temporaries   {fmt_bytes(self.temp):>13}   (decode {fmt_bytes(self.decode.temp)}, "
             f"prefill {fmt_bytes(self.prefill.temp)})",
-            f"  other         {fmt_bytes(self.other):>13}   (step inputs and outputs)",
+            f"  other         {fmt_bytes(self.other):>13}   (step inputs and outputs; "
+            f"{fmt_bytes(self.queued_inputs)} of them a longest prompt's queued chunks)",
             f"  total         {fmt_bytes(self.total):>13}   of {fmt_bytes(self.device_mem)}: "
             + ("fits" if self.fits else "DOES NOT FIT") + f" ({100 * self.total / self.device_mem:.1f}%)",
         ]
@@ -332,7 +338,20 @@ def plan(cfg: ModelConfig, run: RunConfig, *, device_mem: int | str = "141GB", p
                 device_kind=a.mesh.devices.flat[0].platform, slots=run.slots, max_len=run.max_len,
                 chunk_size=run.chunk_size, prefill_rows=a.prefill_rows, weights_format=run.weights,
                 kv_dtype=run.kv_dtype or run.dtype, device_mem=budget, weights=weights_bytes, cache=cache_bytes,
-                decode=mem["decode"], prefill=mem["prefill"], cache_model=cmodel, small_inputs=small_inputs)
+                decode=mem["decode"], prefill=mem["prefill"], cache_model=cmodel, small_inputs=small_inputs,
+                queued_inputs=queued_prefill_inputs(a.prefill_rows, run.chunk_size, run.max_len))
+
+
+ALLOCATION_UNIT = 256  # bytes: XLA's GPU allocator rounds every buffer up to this
+
+
+def queued_prefill_inputs(rows: int, chunk: int, max_len: int) -> int:
+    """Bytes of the inputs (tokens `[rows, chunk]` int32; starts and valid lengths `[rows]` int32; ends
+    `[rows]` bool) of all but the first chunk of a `max_len` prompt, which `Engine.prefill` puts on the
+    device ahead of the steps that read them."""
+    unit = lambda n: -(-n // ALLOCATION_UNIT) * ALLOCATION_UNIT  # noqa: E731
+    per_chunk = unit(4 * rows * chunk) + 2 * unit(4 * rows) + unit(rows)
+    return (-(-max_len // chunk) - 1) * per_chunk
 
 
 def sharded_bytes(leaves) -> int:

@@ -18,7 +18,7 @@ from dsjax.cli import main
 from dsjax.config import ModelConfig
 from dsjax.engine.sampling import MAX_LOGPROBS
 from dsjax.model import DeepseekV4
-from dsjax.plan import ONE_M, CacheModel, largest_fit, parse_bytes, plan
+from dsjax.plan import ONE_M, CacheModel, largest_fit, parse_bytes, plan, queued_prefill_inputs
 from dsjax.quantize import V4_QUANT
 from dsjax.run_config import RunConfig
 
@@ -93,6 +93,20 @@ def test_xla_arguments_are_weights_cache_and_the_step_inputs(planned):
     assert planned.temp == max(planned.decode.temp, planned.prefill.temp)
     assert planned.total == planned.weights + planned.cache + planned.temp + planned.other
     assert planned.fits == (planned.total <= 2_000_000)
+
+
+def test_other_holds_a_longest_prompts_queued_chunk_inputs(planned):
+    """`Engine.prefill` puts every chunk's inputs on the device before the first chunk has run: the later
+    chunks' wait there, each buffer in 256-byte units."""
+    n, c = planned.prefill_rows, RUN.chunk_size
+    per_chunk = 256 * -(-4 * n * c // 256) + 2 * 256 * -(-4 * n // 256) + 256 * -(-n // 256)
+    assert planned.queued_inputs == (-(-RUN.max_len // c) - 1) * per_chunk > 0
+    steps = max(planned.small_inputs[name] + s.output - s.alias
+                for name, s in (("decode", planned.decode), ("prefill", planned.prefill)))
+    assert planned.other == planned.queued_inputs + steps
+    # the 1M-token prompt of docs/benchmarks.md's run, one row in 8,192-token chunks: 127 chunks queued
+    assert queued_prefill_inputs(1, 8192, 1_048_002) == 127 * (32_768 + 256 + 256 + 256)
+    assert queued_prefill_inputs(4, 64, 64) == 0
 
 
 def test_a_run_without_a_mesh_is_planned_on_one_device(tiny):
