@@ -54,7 +54,7 @@ def test_kernel_matches_reference(sizes, extra, k, n):
     close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
 
 
-@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("block_m", [32, 64, 128])
 def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m):
     """Tiles of many rows (prefill), whose results are taken out by whole rows: groups over several
     tiles, an empty one, rows routed nowhere. Same sums as the decode tiling up to their order."""
@@ -151,19 +151,17 @@ def test_op_takes_this_kernel_for_fp4_from_min_rows_on():
         assert f"tensor<{layer}>" not in text and f"tensor<1x{layer}>" not in text
 
 
-def test_op_tiles_prefill_by_prefill_block_m_rows():
-    """Decode-sized calls run 16-row tiles; from `PREFILL_ROWS_PER_EXPERT` rows per expert on, tiles of
-    `PREFILL_BLOCK_M` rows (the kernel's `[tiles, features, rows]` output shows which)."""
-    e = 16
-    decode_rows = mosaic_gpu.PREFILL_ROWS_PER_EXPERT * e - 8
-    prefill_rows = mosaic_gpu.PREFILL_ROWS_PER_EXPERT * e
-    assert decode_rows >= mosaic_gpu.MIN_ROWS
-    tiles = lambda rows, block_m: -(-rows // block_m) + e  # noqa: E731
-    decode = lowered_op("fp4", decode_rows, e=e)
-    assert f"tensor<{tiles(decode_rows, mosaic_gpu.BLOCK_M)}x128x{mosaic_gpu.BLOCK_M}xf32>" in decode
-    prefill = lowered_op("fp4", prefill_rows, e=e)
-    block_m = mosaic_gpu.PREFILL_BLOCK_M
-    assert f"tensor<{tiles(prefill_rows, block_m)}x128x{block_m}xf32>" in prefill
+def test_op_tiles_by_rows_per_expert():
+    """16-row tiles for decode, more rows a tile as the rows per expert grow (`TILE_ROWS`); the kernel's
+    `[tiles, features, rows]` output shows which the op took."""
+    e = 32
+    assert mosaic_gpu.tile_rows(mosaic_gpu.MIN_ROWS, e) == mosaic_gpu.BLOCK_M
+    for least, block_m in mosaic_gpu.TILE_ROWS:
+        assert mosaic_gpu.tile_rows(least * e, e) == block_m
+        assert mosaic_gpu.tile_rows(least * e - 1, e) != block_m
+    for least, block_m in mosaic_gpu.TILE_ROWS:
+        rows = least * e
+        assert f"tensor<{-(-rows // block_m) + e}x128x{block_m}xf32>" in lowered_op("fp4", rows, e=e)
 
 
 @pytest.mark.parametrize("change,message,untileable", [

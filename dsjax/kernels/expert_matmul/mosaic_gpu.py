@@ -47,8 +47,11 @@ from dsjax.quant import FP4_GROUP
 WORDS = 32      # int32 code words per row per step (256 inputs): measured best against 64
 FEATURES = 64   # output features per program (wgmma's M): measured best against 128
 BLOCK_M = 16    # rows per tile (wgmma's N): measured best against 8 and 32 from 128 rows on
-PREFILL_ROWS_PER_EXPERT = 32  # from this many rows per expert on (prefill), tiles of PREFILL_BLOCK_M rows
-PREFILL_BLOCK_M = 64  # V4.1's gate_up at 8,192 tokens on the H200: 8.65 ms; 16 rows: 16.3 ms; 128: 10.5 ms
+# Rows per tile by rows per expert, on V4.1-Flash's widths on the H200 (docs/benchmarks.md, 2026-12-03):
+# at 16 rows per expert (1,024 tokens) 32-row tiles are fastest (gate_up 2.46 ms; 16 rows: 2.80; 64: 3.31),
+# at 128 (8,192 tokens) 64-row tiles (8.77 ms; 32 rows: 11.4; 16 rows: 16.5; 128 rows: 10.5). The switches
+# sit between the measured points: (from rows per expert, rows per tile), the first that applies.
+TILE_ROWS = ((48, 64), (8, 32))
 MAX_BLOCK_M = 128  # with 2 stages, 128 rows of 4 pairs' fp16 inputs fill 128 KiB of shared memory
 STAGES = 2      # steps in flight: measured best against 3 and 4
 MIN_ROWS = 128  # below, the Triton kernel is faster (8 tokens × 6 experts: 0.37 ms against 0.46)
@@ -74,6 +77,11 @@ def renumbered(x_pk: jax.Array) -> jax.Array:
     speed, where the same permutation as a gather is an element-wise one."""
     p, k = x_pk.shape
     return jnp.transpose(x_pk.reshape(p, k // 64, 4, 2, 2, 4), (5, 0, 1, 3, 2, 4)).reshape(4, p, k // 4)
+
+
+def tile_rows(rows: int, experts: int) -> int:
+    """Rows per tile for `rows` rows over `experts` experts (`TILE_ROWS`, else `BLOCK_M`)."""
+    return next((block_m for least, block_m in TILE_ROWS if rows >= least * experts), BLOCK_M)
 
 
 def _as_fp16(words, interpret: bool):
@@ -241,9 +249,10 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     tile_p = jnp.searchsorted(jnp.where(rows_t > 0, row0_t + rows_t, p + 1), jnp.arange(p), side="right")
     tile_p = jnp.minimum(tile_p, n_tiles - 1)
     within_p = jnp.arange(p) - row0_t[tile_p]
-    if block_m < 64:  # few rows a tile (decode): pick the P · N results out of the tiles
-        out_pn = out_tnm[tile_p, :, within_p]
-    else:  # most of the tiles' results are wanted: transpose them at copy speed, then take whole rows
-        out_pn = jnp.take(jnp.swapaxes(out_tnm, 1, 2).reshape(n_tiles * block_m, n), tile_p * block_m + within_p,
-                          axis=0)
-    return (out_pn * unscale_p[:, None]).astype(x_pk.dtype)
+    if block_m < 32:  # few rows a tile (decode): pick the P · N results out of the tiles
+        return (out_tnm[tile_p, :, within_p] * unscale_p[:, None]).astype(x_pk.dtype)
+    # Most of the tiles' results are wanted (prefill): unscale, round and transpose them in one pass at
+    # copy speed, then take whole rows. Rows past the tile's own are scaled by some row's factor: unused.
+    unscale_tm = unscale_p[jnp.minimum(row0_t[:, None] + jnp.arange(block_m), p - 1)]
+    out_tmn = (jnp.swapaxes(out_tnm, 1, 2) * unscale_tm[:, :, None]).astype(x_pk.dtype)
+    return jnp.take(out_tmn.reshape(n_tiles * block_m, n), tile_p * block_m + within_p, axis=0)

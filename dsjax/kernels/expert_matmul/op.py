@@ -32,8 +32,7 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
     else:
         stacks = dict(w_enk=as_array(w_enk), scale=as_array(scale))
     if storage == "fp4" and x_pk.shape[0] >= mosaic_gpu.MIN_ROWS:
-        prefill = x_pk.shape[0] >= mosaic_gpu.PREFILL_ROWS_PER_EXPERT * e
-        block_m = mosaic_gpu.PREFILL_BLOCK_M if prefill else mosaic_gpu.BLOCK_M
+        block_m = mosaic_gpu.tile_rows(x_pk.shape[0], e)
         gpu.append(lambda interpret: mosaic_gpu.expert_matmul_mosaic(x_pk, group_sizes_e=group_sizes_e, block_m=block_m,
                                                                      interpret=interpret, **stacks))
     few_rows = x_pk.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT * e
