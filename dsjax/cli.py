@@ -12,7 +12,8 @@ from dsjax.compile_cache import compile_cache
 from dsjax.config import ModelConfig
 from dsjax.parallel import distributed
 from dsjax.quant import KV_DTYPES
-from dsjax.run_config import DECODER_PREFILL, DTYPES, KERNELS, RENAMED_WEIGHTS, WEIGHTS, RunConfig, RunConfigError
+from dsjax.run_config import (DECODER_PREFILL, DTYPES, KERNELS, RENAMED_WEIGHTS, WEIGHTS, RunConfig, RunConfigError,
+                              auto_chunk_size)
 
 # The run options (`RunConfig`'s fields) as flags, one name each whatever the sub-command: the flag, how
 # argparse reads it (choices: the code's own tuples), and what it means.
@@ -20,7 +21,9 @@ _RUN_FLAGS = {
     "slots": ("--slots", dict(type=int, metavar="N"), "sequences in flight, the decode batch"),
     "max_len": ("--max-len", dict(type=int, metavar="TOKENS"),
                 "tokens per sequence, prompt and generated: the cache's length"),
-    "chunk_size": ("--chunk-size", dict(type=int, metavar="TOKENS"), "prompt tokens per prefill chunk"),
+    "chunk_size": ("--chunk-size", dict(type=lambda t: _chunk_tokens(t), metavar="TOKENS|auto"),
+                   "prompt tokens per prefill chunk; auto: on a GPU or TPU the largest power of two from 256 to 8192 "
+                   "with at most 65,536 tokens in a prefill of every slot (one long prompt: 8192), on a CPU 256"),
     "dtype": ("--dtype", dict(choices=DTYPES), "activations, float weights and the cache's float parts"),
     "kv_dtype": ("--kv-dtype", dict(choices=KV_DTYPES),
                  "cache storage of K=V rows (default: --dtype). V4: fp8 and fp4 keep the rotary part in bf16 and "
@@ -49,6 +52,16 @@ _EVERY = tuple(f for f in _RUN_FLAGS if f != "decoder_prefill")
 _GOES_IN = "0.2"
 _RENAMED_FLAGS = {"--max-batch": "--slots", "--batch": "--slots", "--chunk": "--chunk-size", "--context": "--max-len"}
 _RENAMED_VALUES = {"--weights": RENAMED_WEIGHTS}
+
+
+def _chunk_tokens(text: str) -> int | str:
+    """`--chunk-size`: a number of tokens, or "auto" (resolved in `run_config`)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -105,8 +118,14 @@ def run_config(args: argparse.Namespace, **changes) -> RunConfig:
     """The RunConfig of the run flags in `args` (RunConfig's defaults for those the command has not) with
     `changes`; a bad value raises ValueError naming its flag."""
     values = {name: getattr(args, name) for name in _RUN_FLAGS if getattr(args, name, None) is not None}
+    values = {**values, **changes}
+    if values.get("chunk_size") == "auto":
+        import jax
+
+        given = {**_RUN_DEFAULTS, **values}
+        values["chunk_size"] = auto_chunk_size(given["slots"], given["max_len"], jax.default_backend())
     try:
-        return RunConfig(**{**values, **changes})
+        return RunConfig(**values)
     except RunConfigError as e:  # its message starts with the field's name: say the flag's
         msg = str(e)
         for name, (flag, _, _) in _RUN_FLAGS.items():

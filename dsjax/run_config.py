@@ -29,6 +29,26 @@ DECODER_PREFILL = ("exact", "full", "replay")
 RENAMED_WEIGHTS = {"fp8": "keep"}  # plan, bench and export's spelling until 0.2 (the CLI says so too)
 
 
+# `--chunk-size auto` on an accelerator: the largest power-of-two chunk from 256 to 8,192 tokens with at
+# most this many tokens in a prefill step of every slot. Measured on the H200 (docs/benchmarks.md): 8,192-
+# token chunks for one long prompt (V4-Flash width, 1M tokens in 26.0 s; 2,048-token chunks were slower),
+# 128 prompts × 512 in one 65,536-token step at 74% of the prefill roofline. CPUs keep 256.
+AUTO_CHUNK_TOKENS = 65_536
+AUTO_CHUNK_RANGE = (256, 8192)
+
+
+def auto_chunk_size(slots: int, max_len: int, platform: str) -> int:
+    """`--chunk-size auto`'s chunk for `slots` sequences of `max_len` tokens on `platform` (a JAX backend
+    name): see `AUTO_CHUNK_TOKENS`; never more than max_len needs."""
+    least, most = AUTO_CHUNK_RANGE
+    if platform == "cpu":
+        return least
+    chunk = most
+    while chunk > least and (slots * chunk > AUTO_CHUNK_TOKENS or chunk // 2 >= max_len):
+        chunk //= 2
+    return chunk
+
+
 class RunConfigError(ValueError):
     """A run option out of range; the message names the option."""
 

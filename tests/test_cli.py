@@ -61,6 +61,21 @@ def test_the_parsed_run_config_is_the_flags(command):
         mesh="dp=2,ep=4")
 
 
+@pytest.mark.parametrize("command", ["generate", "plan", "export", "bench"])
+def test_chunk_size_auto_is_resolved_for_the_platform(command, monkeypatch):
+    """`--chunk-size auto` becomes `auto_chunk_size`'s number for the run's slots and max_len on the
+    backend JAX runs on: 256 on the CPU; on an accelerator what the rule gives (8 slots: 8,192)."""
+    import jax
+
+    argv = [*BASE[command], "--chunk-size", "auto", "--slots", "8"]
+    if command != "bench":
+        argv += ["--max-len", "100000"]
+    assert run_config(_parse([command, *argv]), slots=8).chunk_size == 256
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert run_config(_parse([command, *argv]), slots=8, max_len=100000).chunk_size == 8192
+    assert run_config(_parse([command, *argv]), slots=128, max_len=100000).chunk_size == 512
+
+
 def test_defaults_are_run_configs_but_where_a_command_differs():
     assert run_config(_parse(["generate"])) == RunConfig()
     assert run_config(_parse(["export", *BASE["export"]])) == RunConfig()
@@ -109,7 +124,8 @@ def test_new_and_old_spelling_together_are_refused(capsys):
 
 @pytest.mark.parametrize("command,flag,bad", [
     (command, FLAGS[field], "int4") for command in TAKES for field in sorted(TAKES[command]) if field in CHOICES
-] + [(command, "--slots", "x") for command in ("generate", "plan", "export", "bench")])
+] + [(command, "--slots", "x") for command in ("generate", "plan", "export", "bench")]
+  + [(command, "--chunk-size", "big") for command in ("generate", "plan", "export", "bench")])
 def test_a_value_argparse_cannot_read_is_its_error(command, flag, bad, capsys):
     with pytest.raises(SystemExit) as e:
         main([command, *BASE[command], flag, bad])

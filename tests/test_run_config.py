@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from dsjax.quant import KV_DTYPES
-from dsjax.run_config import DTYPES, KERNELS, WEIGHTS, RunConfig, RunConfigError
+from dsjax.run_config import DTYPES, KERNELS, WEIGHTS, RunConfig, RunConfigError, auto_chunk_size
 
 
 def test_defaults_are_valid_and_every_choice_is_taken():
@@ -64,3 +64,17 @@ def test_derived_values():
     assert RunConfig(dtype="float32").jnp_dtype == jnp.float32
     assert RunConfig().jnp_dtype == jnp.bfloat16
     assert RunConfig().quantized and not RunConfig(weights="bf16").quantized
+
+
+@pytest.mark.parametrize("slots,max_len,platform,want", [
+    (1, 1_048_002, "gpu", 8192),    # one long prompt: the measured best
+    (8, 1_048_002, "gpu", 8192),    # 65,536 tokens a step
+    (16, 1_048_002, "gpu", 4096),
+    (128, 1_048_002, "tpu", 512),   # 128 × 512 in one step
+    (1024, 4096, "gpu", 256),       # never below 256
+    (4, 600, "gpu", 1024),          # never more than max_len needs (600 tokens: 1,024)
+    (4, 1024, "gpu", 1024),
+    (1, 1_048_002, "cpu", 256),     # CPUs keep the default
+])
+def test_auto_chunk_size(slots, max_len, platform, want):
+    assert auto_chunk_size(slots, max_len, platform) == want
