@@ -54,15 +54,15 @@ def test_kernel_matches_reference(sizes, extra, k, n):
     close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
 
 
-@pytest.mark.parametrize("block_m", [32, 64, 128])
-def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m):
+@pytest.mark.parametrize("block_m,features", [(32, 64), (64, 64), (128, 64), (64, 128)])
+def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features):
     """Tiles of many rows (prefill), whose results are taken out by whole rows: groups over several
     tiles, an empty one, rows routed nowhere. Same sums as the decode tiling up to their order."""
     sizes, extra, k, n = [70, 0, 150, 5], 9, 1024, 128
     q, s = experts("fp4", len(sizes), n, k, seed=3)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    got = expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, interpret=True)[:sum(sizes)]
+    got = expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, features=features, interpret=True)[:sum(sizes)]
     close(got, expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
     close(got, expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)[:sum(sizes)])
 

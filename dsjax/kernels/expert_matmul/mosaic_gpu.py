@@ -3,7 +3,7 @@ are wgmma's register operand A: for 128 rows or more (decode at 32 sequences and
 Triton kernel (`triton.py`), which it beats by 1.18× at 32 tokens and 1.27× at 128 on V4-Flash's gate_up
 (docs/benchmarks.md, 2026-11-30, eighth session). Same arguments, same arithmetic, same result.
 
-Each program holds one tile of `block_m` rows of one expert (`triton.group_tiles`) and `FEATURES` output
+Each program holds one tile of `block_m` rows of one expert (`triton.group_tiles`) and `features` output
 features, computes `outᵀ[features, rows] = W · xᵀ` (wgmma's M is 64: the features, its N the rows)
 and walks the inputs `8 · WORDS` at a time:
 
@@ -125,21 +125,21 @@ def _column(block, c):
 
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
-          block_m: int, interpret: bool):
+          block_m: int, features: int, interpret: bool):
     t, nb = lax.axis_index("t"), lax.axis_index("n")
     plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
     plgpu.barrier_wait(bar)
     g, rows, g_scale = tiles_smem[0, 0], tiles_smem[0, 2], tiles_smem[0, 3]
-    n0 = pl.multiple_of(nb * FEATURES, FEATURES)
+    n0 = pl.multiple_of(nb * features, features)
 
     @pl.when(rows > 0)
     def _():
-        plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0, FEATURES)], s_smem, bar)  # [64, K/128] scale words
+        plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0, features)], s_smem, bar)  # [64, K/128] scale words
         plgpu.barrier_wait(bar)
         everything = plgpu.load(s_smem, layout=_WGMMA, optimized=False)
         top = functools.reduce(jnp.maximum, [lax.shift_right_logical(everything, 8 * q) & 0xFF for q in range(4)])
         top = jnp.max(top, axis=1)  # each row's largest ue8m0 exponent
-        j = plgpu.broadcasted_iota(jnp.int32, (FEATURES, WORDS), 1, layout=_WGMMA)
+        j = plgpu.broadcasted_iota(jnp.int32, (features, WORDS), 1, layout=_WGMMA)
         per_step = WORDS // 16  # scale words per step: four groups of four code words each
 
         def step(idx, codes_smem, *x_smem):
@@ -147,12 +147,12 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
             words = plgpu.load(codes_smem, layout=_WGMMA)  # [64, WORDS] int32
             c8 = pl.multiple_of(kb * per_step // 8 * 8, 8)
             block = plgpu.load(s_smem.at[:, pl.ds(c8, 8)], layout=_WGMMA, optimized=False)
-            group = jnp.zeros((FEATURES, WORDS), jnp.int32)
+            group = jnp.zeros((features, WORDS), jnp.int32)
             for i in range(per_step):  # word j's group: byte (j // 4) % 4 of scale word j // 16
-                sw = lax.broadcast_in_dim(_column(block, kb * per_step + i - c8), (FEATURES, WORDS), (0,))
+                sw = lax.broadcast_in_dim(_column(block, kb * per_step + i - c8), (features, WORDS), (0,))
                 group = jnp.where(j // 16 == i, lax.shift_right_logical(sw, 8 * ((j // 4) % 4)) & 0xFF, group)
             # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
-            biased = jnp.clip(group - lax.broadcast_in_dim(top, (FEATURES, WORDS), (0,)) + 30, 0, 31) << 10
+            biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, WORDS), (0,)) + 30, 0, 31) << 10
             relative = _as_fp16(biased | (biased << 16), interpret)
             for p, pair in enumerate(_pairs(words)):
                 a = _as_fp16(pair, interpret) * relative
@@ -169,47 +169,50 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
             plgpu.emit_pipeline(
                 step, grid=(n_k,),
                 in_specs=[
-                    plgpu.BlockSpec((FEATURES, WORDS), lambda kb: (0, kb),
+                    plgpu.BlockSpec((features, WORDS), lambda kb: (0, kb),
                                     transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
                     *[plgpu.BlockSpec((block_m, 2 * WORDS), lambda kb: (0, kb),
                                       transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))] * 4,
                 ],
                 max_concurrent_steps=STAGES,
-            )(w_ref.at[g, pl.ds(n0, FEATURES)], *(x_ref.at[p, t] for p in range(4)))
+            )(w_ref.at[g, pl.ds(n0, features)], *(x_ref.at[p, t] for p in range(4)))
             return acc[...]
 
         acc_ref = None
-        acc = pl.run_scoped(pipelined, plgpu.ACC((FEATURES, block_m), jnp.float32))
+        acc = pl.run_scoped(pipelined, plgpu.ACC((features, block_m), jnp.float32))
         acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
         out_smem[...] = acc
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[t, pl.ds(n0, FEATURES)])
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[t, pl.ds(n0, features)])
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "features", "interpret"))
 def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
-                         layer: jax.Array | None = None, *, block_m: int = BLOCK_M,
+                         layer: jax.Array | None = None, *, block_m: int = BLOCK_M, features: int = FEATURES,
                          interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, "fp4")` as a Mosaic GPU
     kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`) and
     the kernel reads entry `layer` where it lies. `block_m` rows of one expert per program (wgmma's N):
-    an expert's codes are decoded once per `block_m` of its rows, so prefill wants many. Raises
+    an expert's codes are decoded once per `block_m` of its rows, so prefill wants many; `features`
+    output features per program (64 or 128: one or two wgmma row blocks). Raises
     CannotTile for what it does not take: non-bf16 activations, float scales, widths that do not tile
     (K a multiple of 256, N of 64)."""
     p, k = x_pk.shape
     if block_m % 8 or not 8 <= block_m <= MAX_BLOCK_M:
         raise ValueError(f"expert_matmul_mosaic: block_m must be a multiple of 8 from 8 to {MAX_BLOCK_M}, "
                          f"got {block_m}")
+    if features not in (64, 128):
+        raise ValueError(f"expert_matmul_mosaic: features must be 64 or 128, got {features}")
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_mosaic")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:
         raise CannotTile(f"expert_matmul_mosaic: activations must be bf16, got {x_pk.dtype}")
     if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
         raise CannotTile(f"expert_matmul_mosaic: FP4 experts need ue8m0 (power-of-two) scales, got {scale.dtype}")
-    if k % (8 * WORDS) or n % FEATURES or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
+    if k % (8 * WORDS) or n % features or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
         raise CannotTile(f"expert_matmul_mosaic: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
-                         f"inputs do not tile (inputs by {8 * WORDS}, outputs by {FEATURES})")
+                         f"inputs do not tile (inputs by {8 * WORDS}, outputs by {features})")
     # Free views: eight codes per int32 word, four groups' scales per int32 word (little-endian).
     words = lax.bitcast_convert_type(w_enk.reshape(e, n, k // 8, 4), jnp.int32)
     scale = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint8).reshape(e, n, k // 128, 4), jnp.int32)
@@ -232,17 +235,17 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     x_qtmc = jax.vmap(lambda r: lax.dynamic_slice_in_dim(x_qpc, r, block_m, axis=1), out_axes=1)(row0_t)
     tiles = jnp.stack([group_t + first_expert, row0_t, rows_t, scale_t], axis=1)  # [T, 4]
     n_tiles = tiles.shape[0]
-    scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM((FEATURES, scale_words), jnp.int32),
-               plgpu.SMEM((FEATURES, block_m), jnp.float32), plgpu.Barrier()]
+    scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM((features, scale_words), jnp.int32),
+               plgpu.SMEM((features, block_m), jnp.float32), plgpu.Barrier()]
     if interpret:
-        scratch.append(plgpu.SMEM((FEATURES, 2 * WORDS), jnp.float16))
+        scratch.append(plgpu.SMEM((features, 2 * WORDS), jnp.float16))
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
-        _body(*refs, n_k=k // (8 * WORDS), block_m=block_m, interpret=interpret)
+        _body(*refs, n_k=k // (8 * WORDS), block_m=block_m, features=features, interpret=interpret)
 
     kernel = plgpu.kernel(
         dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, block_m), jnp.float32),
-        scratch_types=scratch, grid=(n_tiles, n // FEATURES), grid_names=("t", "n"),
+        scratch_types=scratch, grid=(n_tiles, n // features), grid_names=("t", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     out_tnm = kernel(tiles, x_qtmc, words, scale)
     # Row i of the expert-sorted rows is row i - row0 of its tile; tiles holding rows come first, in order.
