@@ -272,10 +272,12 @@ def bench_prefill_indexer(args, cfg, bandwidth):
     rows = []
     nh, c, k = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
     scale = c ** -0.5
+    # V4's CSA rate; V4.1's encoder layers (rate 2; its decoder's is 1)
+    rate = args.rate or getattr(cfg, "compress_rate_csa", None) or max(cfg.compress_ratios)
     for context, chunk in itertools.product(args.context, args.chunk):
-        t = context // cfg.compress_rate_csa
+        t = context // rate
         keys = jax.random.normal(jax.random.key(0), (1, t, c), jnp.bfloat16)
-        lens = jnp.asarray(((context - chunk + np.arange(chunk) + 1) // cfg.compress_rate_csa)[None], jnp.int32)
+        lens = jnp.asarray(((context - chunk + np.arange(chunk) + 1) // rate)[None], jnp.int32)
         flops = 2 * nh * c * int(np.asarray(lens).sum())
 
         def make_set(i, n=chunk):
@@ -291,23 +293,27 @@ def bench_prefill_indexer(args, cfg, bandwidth):
         q, w = make_set(0)
         want = jax.jit(lambda q, w: top_picks(index_scores_chunk_reference(q, w, keys, lens[:, -check:], scale), k))(
             q[:, -check:], w[:, -check:])
-        for block_q, block_t, tiles, warps in itertools.product(args.block_q, args.block_t, args.tiles, args.num_warps):
-            def kernel(keys, lens, q, w, block_q=block_q, block_t=block_t, tiles=tiles, warps=warps):
+        for block_q, block_t, tiles, warps, fuse in itertools.product(args.block_q, args.block_t, args.tiles,
+                                                                      args.num_warps, args.fuse):
+            fuse = fuse == "on"
+
+            def kernel(keys, lens, q, w, block_q=block_q, block_t=block_t, tiles=tiles, warps=warps, fuse=fuse):
                 return index_scores_chunk_gpu(q, w, keys, lens, scale, block_q=block_q, block_t=block_t, tiles=tiles,
-                                              num_warps=warps, interpret=args.interpret)
+                                              fuse=fuse, num_warps=warps, interpret=args.interpret)
 
             try:
                 scores = jax.jit(kernel)(keys, lens, q, w)
                 t_kernel = timed(kernel, make_set, (keys, lens), few=few, many=many)
             except Exception as e:  # a tiling the GPU cannot compile: say so and go on
-                print(f"block_q={block_q} block_t={block_t} tiles={tiles} warps={warps}: {type(e).__name__}: "
+                print(f"block_q={block_q} block_t={block_t} tiles={tiles} warps={warps} fuse={fuse}: {type(e).__name__}: "
                       f"{str(e)[:200]}", flush=True)
                 continue
             got = top_picks(scores[:, -check:], k)
             same = float(np.mean([len(set(a[a >= 0]) & set(b[b >= 0])) / max(1, len(set(b[b >= 0])))
                                   for a, b in zip(np.asarray(got)[0], np.asarray(want)[0])]))
-            emit(args, rows, {"op": "prefill_indexer", "context": context, "chunk": chunk, "block_q": block_q,
-                              "block_t": block_t, "tiles": tiles, "warps": warps, "kernel_ms": t_kernel * 1e3,
+            emit(args, rows, {"op": "prefill_indexer", "heads": nh, "rate": rate, "context": context, "chunk": chunk,
+                              "block_q": block_q, "block_t": block_t, "tiles": tiles, "warps": warps, "fuse": fuse,
+                              "kernel_ms": t_kernel * 1e3,
                               "reference_ms": t_ref * 1e3, "TFLOPs": flops / t_kernel / 1e12,
                               "picks_same": same, "checked_queries": check}, bandwidth)
         one = timed(lambda s: jax.lax.top_k(s, k)[1], lambda i: (scores + i,), few=few, many=many)
@@ -619,6 +625,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", type=int, nargs="+", default=[16], help="indexer blocks per program")
     p.add_argument("--chunk", type=int, nargs="+", default=[2048], help="prefill-indexer: queries per chunk")
     p.add_argument("--block-q", type=int, nargs="+", default=[4], help="prefill-indexer: queries per program")
+    p.add_argument("--fuse", nargs="+", default=["on"], choices=("on", "off"),
+                   help="prefill-indexer: one product of all a block's queries' heads (on) or one per query (off)")
+    p.add_argument("--rate", type=int, help="prefill-indexer: tokens per index key (default: the preset's CSA rate)")
     p.add_argument("--tokens", type=int, nargs="+", default=[65536], help="grouped-matmul: tokens routed")
     p.add_argument("--block-m", type=int, nargs="+", default=[64, 128],
                    help="grouped-matmul, fp4-experts: rows per tile")

@@ -75,17 +75,33 @@ def chunk_inputs(seed, kv_dtype="bfloat16", b=2, c_len=7, h=16, c=64, t=300, dty
 @pytest.mark.parametrize("seed,kv_dtype,shape,tiling", [
     (0, "bfloat16", {}, {}), (1, "bfloat16", {"c_len": 16, "t": 700}, {"block_q": 8, "block_t": 32, "tiles": 4}),
     (2, "fp8", {"c": 128, "group": 128}, {"block_q": 2}), (3, "float32", {"dtype": jnp.float32}, {"block_q": 3})])
-def test_chunk_kernel_matches_reference(seed, kv_dtype, shape, tiling):
-    """A prefill chunk's scores: each query block reads a key block once for all its queries; the chunk's
-    length need not divide into query blocks (7 queries in blocks of 2, 3 or 4)."""
+@pytest.mark.parametrize("fuse", [True, False])
+def test_chunk_kernel_matches_reference(seed, kv_dtype, shape, tiling, fuse):
+    """A prefill chunk's scores: each query block reads a key block once for all its queries (one product
+    of all their heads, or one per query); the chunk's length need not divide into query blocks (7
+    queries in blocks of 2, 3 or 4)."""
     args = chunk_inputs(seed, kv_dtype, **shape)
     want = np.asarray(index_scores_chunk_reference(*args))
-    got = np.asarray(index_scores_chunk_gpu(*args, **tiling, interpret=not ON_GPU))
+    got = np.asarray(index_scores_chunk_gpu(*args, **tiling, fuse=fuse, interpret=not ON_GPU))
     assert got.shape == want.shape == (*args[0].shape[:2], args[2].shape[1] if kv_dtype != "fp8" else 300)
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     live = ~np.isneginf(want)
     assert live.any() and (~live).any()
     assert_close(got[live], want[live], rtol=2e-3 if kv_dtype != "float32" else 1e-5)
+
+
+@pytest.mark.parametrize("magnitude", [1e6, 1e-7])
+def test_fused_chunk_scales_each_query_and_head_on_its_own(magnitude):
+    """With fp8 keys, the fused product's rows are every (query, head) of a block, each scaled by its own
+    power of two for fp16: queries of a block far apart in magnitude still give the reference's scores."""
+    q, w, keys, lens, scale = chunk_inputs(7, "fp8", c_len=8, c=128, group=64)
+    q = q * jnp.asarray(np.geomspace(1.0, magnitude, 8 * q.shape[2]).reshape(8, -1), jnp.bfloat16)[None, :, :, None]
+    want = np.asarray(index_scores_chunk_reference(q, w, keys, lens, scale))
+    got = np.asarray(index_scores_chunk_gpu(q, w, keys, lens, scale, block_q=4, fuse=True, interpret=not ON_GPU))
+    live = ~np.isneginf(want)
+    np.testing.assert_array_equal(np.isneginf(got), ~live)
+    assert np.isfinite(got[live]).all()
+    assert_close(got[live], want[live], rtol=1e-5)
 
 
 def test_decode_is_a_chunk_of_one():

@@ -33,23 +33,28 @@ from dsjax.numerics import precision
 from dsjax.quant import PackedKV
 
 
-def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces, n_rows):
+def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces, n_rows, fuse):
     *key_refs, o_ref = refs
     fp16 = q_ref.dtype == jnp.bfloat16 and pieces[0].kind == "fp8"
     dtype = jnp.float16 if fp16 else q_ref.dtype
     exact = precision(q_ref)
+    heads = q_ref.shape[1]
 
-    def query(i):
-        """Query i of the block: its column pieces (fp16-scaled for fp8 keys), per-head unscale, weights."""
-        q_pieces = {p.col: q_ref[i, :, pl.ds(p.col, p.width)] for p in pieces}
-        unscale_h = None
+    def queries(i):
+        """Queries `i` (a slice of the block) as `[queries·heads, piece]` pieces (fp16-scaled for fp8 keys),
+        their per-row unscale and their head weights."""
+        n = i.stop - i.start
+        q_pieces = {p.col: q_ref[i, :, pl.ds(p.col, p.width)].reshape(n * heads, p.width) for p in pieces}
+        unscale = None
         if fp16:
-            q_pieces, unscale_h = fp16_rows(q_pieces)
-        return q_pieces, unscale_h, w_ref[i, :].astype(jnp.float32)
+            q_pieces, unscale = fp16_rows(q_pieces)
+        return q_pieces, unscale, w_ref[i, :].astype(jnp.float32)
 
-    # One query per program (decode): its operands stay in registers across the key loop. A block of
-    # queries reloads each query's (from L1/L2) per key block instead of holding them all.
-    hoisted = query(0) if block_q == 1 else None
+    # fuse: every query's heads are rows of one product with the key block (`[block_q·heads, block_t]`),
+    # its operand kept in registers across the key loop. Else one product per query, keys along rows
+    # (decode's tiling: one query of 32-64 heads is too few rows for Hopper's wgmma); a block of queries
+    # then reloads each query's (from L1/L2) per key block instead of holding them all.
+    hoisted = queries(slice(0, block_q)) if fuse or block_q == 1 else None
     lens = [len_ref[i] for i in range(block_q)]
     span0 = pl.program_id(2) * tiles * block_t
     n_live = jnp.clip(pl.cdiv(functools.reduce(jnp.maximum, lens) - span0, block_t), 0, tiles)
@@ -58,39 +63,47 @@ def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces
         rows = span0 + j * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
         rows_k = jnp.minimum(rows, n_rows - 1)
         tiles_ = [load_piece(key_refs, p, rows_k, dtype, scaled=False) for p in pieces]
-        for i in range(block_q):
-            q_pieces, unscale_h, w_h = hoisted or query(i)
-            # Keys along rows: the head sum reduces within a row of the product's layout.
-            dots_th = jnp.zeros((block_t, w_h.shape[0]), jnp.float32)
+        at = pl.ds(pl.multiple_of(j * block_t, block_t), block_t)
+        if fuse:
+            q_pieces, unscale, w_qh = hoisted
+            dots = jnp.zeros((block_q * heads, block_t), jnp.float32)
             for p, tile in zip(pieces, tiles_):
-                if isinstance(tile, tuple):
-                    codes, row_scale = tile
-                    dots_th += jnp.dot(codes, q_pieces[p.col].T, preferred_element_type=jnp.float32,
-                                       precision=exact) * row_scale
-                else:
-                    dots_th += jnp.dot(tile, q_pieces[p.col].T, preferred_element_type=jnp.float32,
-                                       precision=exact)
+                codes, row_scale = tile if isinstance(tile, tuple) else (tile, None)
+                d = jnp.dot(q_pieces[p.col], codes.T, preferred_element_type=jnp.float32, precision=exact)
+                dots += d if row_scale is None else d * row_scale.reshape(1, block_t)
+            if unscale is not None:
+                dots = dots * unscale[:, None]
+            dots_qht = jnp.maximum(dots, 0.0).reshape(block_q, heads, block_t)
+            score_qt = jnp.sum(dots_qht * w_qh[:, :, None], axis=1) * scale
+            o_ref[:, at] = jnp.where(rows[None, :] < len_ref[...][:, None], score_qt, -jnp.inf)
+            return carry
+        for i in range(block_q):
+            q_pieces, unscale_h, w_h = hoisted or queries(slice(i, i + 1))
+            # Keys along rows: the head sum reduces within a row of the product's layout.
+            dots_th = jnp.zeros((block_t, heads), jnp.float32)
+            for p, tile in zip(pieces, tiles_):
+                codes, row_scale = tile if isinstance(tile, tuple) else (tile, None)
+                d = jnp.dot(codes, q_pieces[p.col].T, preferred_element_type=jnp.float32, precision=exact)
+                dots_th += d if row_scale is None else d * row_scale
             if unscale_h is not None:
                 dots_th = dots_th * unscale_h[None, :]
-            score_t = jnp.sum(jnp.maximum(dots_th, 0.0) * w_h[None, :], axis=1) * scale
-            o_ref[i, pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.where(rows < lens[i], score_t,
-                                                                                        -jnp.inf)
+            score_t = jnp.sum(jnp.maximum(dots_th, 0.0) * w_h, axis=1) * scale
+            o_ref[i, at] = jnp.where(rows < lens[i], score_t, -jnp.inf)
         return carry
 
     def dead(j, carry):
-        for i in range(block_q):
-            o_ref[i, pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.full((block_t,), -jnp.inf,
-                                                                                      jnp.float32)
+        o_ref[:, pl.ds(pl.multiple_of(j * block_t, block_t), block_t)] = jnp.full((block_q, block_t), -jnp.inf,
+                                                                                   jnp.float32)
         return carry
 
     jax.lax.fori_loop(0, n_live, live, 0)
     jax.lax.fori_loop(n_live, tiles, dead, 0)
 
 
-_TILING = ("block_q", "block_t", "tiles", "num_warps", "num_stages", "interpret")
+_TILING = ("block_t", "tiles", "num_warps", "num_stages", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", *_TILING[1:]))
+@functools.partial(jax.jit, static_argnames=("scale", *_TILING))
 def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,
                      block_t: int = 64, tiles: int = 16, num_warps: int = 4, num_stages: int = 2,
                      interpret: bool = False) -> jax.Array:
@@ -98,14 +111,14 @@ def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: 
     slot. The default tiling was the fastest of a sweep on an H200 at batch 64 and 128K context
     (`docs/benchmarks.md`)."""
     return index_scores_chunk_gpu(q_bhc[:, None], weights_bh[:, None], keys, keys_len_b[:, None], scale, block_q=1,
-                                  block_t=block_t, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
-                                  interpret=interpret)[:, 0]
+                                  block_t=block_t, tiles=tiles, fuse=False, num_warps=num_warps,
+                                  num_stages=num_stages, interpret=interpret)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", *_TILING))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "fuse", *_TILING))
 def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys_len_bc: jax.Array, scale: float,
-                           *, block_q: int = 4, block_t: int = 128, tiles: int = 8, num_warps: int = 4,
-                           num_stages: int = 2, interpret: bool = False) -> jax.Array:
+                           *, block_q: int = 4, block_t: int = 128, tiles: int = 8, fuse: bool = True,
+                           num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """`reference.index_scores_chunk_reference` as a Pallas kernel (same arguments and `[B, C, T]` result);
     `block_q` queries of a slot per program (C is padded to a multiple of it). The default tiling was the
     fastest of a sweep on an H200 at 1M context, 2048 queries (`docs/benchmarks.md`)."""
@@ -119,7 +132,7 @@ def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys
     t = arrays[0].shape[1]
     span = block_t * tiles
     n_spans = -(-t // span)
-    block_q = min(block_q, c_len)
+    block_q = min(block_q, pl.next_power_of_2(c_len))  # Triton's blocks are powers of two
     pad = -c_len % block_q
     if pad:  # padded queries see no keys
         q_bchc, weights_bch = (jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (q_bchc, weights_bch))
@@ -128,7 +141,7 @@ def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys
     per_slot = lambda a: pl.BlockSpec((None, *a.shape[1:]), lambda i, q, j: (i,) + (0,) * (a.ndim - 1))  # noqa: E731
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block_q=block_q, block_t=block_t, tiles=tiles, pieces=pieces,
-                          n_rows=t),
+                          n_rows=t, fuse=fuse and block_q > 1),
         grid=(b, n_q, n_spans),
         in_specs=[pl.BlockSpec((None, block_q, h, c), lambda i, q, j: (i, q, 0, 0)),
                   pl.BlockSpec((None, block_q, h), lambda i, q, j: (i, q, 0)),
