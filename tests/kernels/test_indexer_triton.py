@@ -8,7 +8,7 @@ import pytest
 
 from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.indexer.reference import index_scores_chunk_reference, index_scores_reference
-from dsjax.kernels.indexer.triton import index_scores_chunk_gpu, index_scores_gpu
+from dsjax.kernels.indexer.triton import fuses, index_scores_chunk_gpu, index_scores_gpu
 from dsjax.quant import pack_kv
 from tests.helpers import assert_close
 
@@ -102,6 +102,17 @@ def test_fused_chunk_scales_each_query_and_head_on_its_own(magnitude):
     np.testing.assert_array_equal(np.isneginf(got), ~live)
     assert np.isfinite(got[live]).all()
     assert_close(got[live], want[live], rtol=1e-5)
+
+
+def test_fusing_by_default_where_the_product_is_at_most_128_rows():
+    """V4.1's 32 index heads fuse 4 queries (128 rows, faster on an H200); V4's 64 do not (256 rows,
+    slower); one query (decode) never does. The default gives the explicit choice's scores."""
+    assert fuses(4, 32) and fuses(2, 64) and fuses(8, 16)
+    assert not fuses(4, 64) and not fuses(8, 32) and not fuses(1, 32)
+    args = chunk_inputs(4, "bfloat16")
+    got = np.asarray(index_scores_chunk_gpu(*args, block_q=4, interpret=not ON_GPU))
+    want = np.asarray(index_scores_chunk_gpu(*args, block_q=4, fuse=fuses(4, args[0].shape[2]), interpret=not ON_GPU))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_decode_is_a_chunk_of_one():

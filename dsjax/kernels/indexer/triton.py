@@ -100,6 +100,16 @@ def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces
     jax.lax.fori_loop(n_live, tiles, dead, 0)
 
 
+# On an H200 at 128K-1M context (`docs/benchmarks.md`), fusing 4 queries of V4.1's 32 heads (128 rows)
+# was 12% faster than a product per query; 4 of V4's 64 heads (256 rows) were 1.6-2.2x slower.
+FUSE_ROWS = 128
+
+
+def fuses(block_q: int, heads: int) -> bool:
+    """Whether the chunk kernel fuses by default: a block of several queries whose heads make at most
+    `FUSE_ROWS` rows."""
+    return block_q > 1 and block_q * heads <= FUSE_ROWS
+
 _TILING = ("block_t", "tiles", "num_warps", "num_stages", "interpret")
 
 
@@ -117,11 +127,12 @@ def index_scores_gpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "fuse", *_TILING))
 def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys_len_bc: jax.Array, scale: float,
-                           *, block_q: int = 4, block_t: int = 128, tiles: int = 8, fuse: bool = True,
+                           *, block_q: int = 4, block_t: int = 128, tiles: int = 8, fuse: bool | None = None,
                            num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> jax.Array:
     """`reference.index_scores_chunk_reference` as a Pallas kernel (same arguments and `[B, C, T]` result);
     `block_q` queries of a slot per program (C is padded to a multiple of it). The default tiling was the
-    fastest of a sweep on an H200 at 1M context, 2048 queries (`docs/benchmarks.md`)."""
+    fastest of a sweep on an H200 at 1M context, 2048 queries (`docs/benchmarks.md`). `fuse` (one product
+    for the block's queries and heads) defaults to on where that product has at most `FUSE_ROWS` rows."""
     b, c_len, h, c = q_bchc.shape
     if isinstance(keys, PackedKV) and keys.fmt != "fp8":
         raise CannotTile(f"index_scores_gpu: index keys are stored as fp8 or float, got {keys.fmt}")
@@ -133,6 +144,7 @@ def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys
     span = block_t * tiles
     n_spans = -(-t // span)
     block_q = min(block_q, pl.next_power_of_2(c_len))  # Triton's blocks are powers of two
+    fuse = fuses(block_q, h) if fuse is None else fuse
     pad = -c_len % block_q
     if pad:  # padded queries see no keys
         q_bchc, weights_bch = (jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in (q_bchc, weights_bch))
