@@ -166,10 +166,12 @@ def grouped_mlp(x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array,
     up_p = jax.lax.dynamic_slice_in_dim(gate_up_p, inter + start, width, axis=1)
     act_p = clamped_swiglu(gate_p, up_p, cfg.swiglu_limit)
     y_ph = _grouped_matmul(act_p, down_eio, group_sizes, kernels)
-    y_ph = y_ph[: n * k] * jnp.take(weights_nk.reshape(-1), order)[:, None].astype(y_ph.dtype)
-    y_ph = jnp.where(jnp.take(mine, order)[:, None], y_ph, 0)  # rows past the groups are not defined
-    y_nkh = jnp.zeros_like(y_ph).at[order].set(y_ph).reshape(n, k, -1)
-    return jnp.sum(y_nkh, axis=1)
+    # Back to (token, choice) order by a row gather through the inverse permutation: the row scatter
+    # through `order` it replaces moved about 0.26 TB/s on an H200 (7.7 ms for 196,608 rows of 5,120).
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+    y_ph = jnp.take(y_ph, inverse, axis=0) * weights_nk.reshape(-1)[:, None].astype(y_ph.dtype)
+    y_ph = jnp.where(mine[:, None], y_ph, 0)  # rows past the groups are not defined
+    return jnp.sum(y_ph.reshape(n, k, -1), axis=1)
 
 
 class SharedExpert(nnx.Module):
