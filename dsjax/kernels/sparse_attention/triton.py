@@ -2,10 +2,10 @@
 
 Grid (slot, head block, split). A program keeps `block_h` query heads and an online softmax, walks
 its split's share of the key blocks (`block_k` rows each: the window ring's valid prefix, then the
-compressed entries, contiguous for HCA or gathered through the indexer's picks for CSA), and
-dequantizes each block in registers. A key row is read once per head block, so one head block of
-all heads reads the cache once; `num_splits` > 1 divides the keys between programs (flash-decoding)
-for small batches, and their partial sums are merged outside.
+compressed entries, contiguous for HCA or gathered through the indexer's picks for CSA up to the row's
+last valid pick), and dequantizes each block in registers. A key row is read once per head block, so
+one head block of all heads reads the cache once; `num_splits` > 1 divides the keys between programs
+(flash-decoding) for small batches, and their partial sums are merged outside.
 
 Rows arrive as column pieces (`kernels/triton_rows.py`) whose widths Triton can tile; scores sum the
 pieces' dot products and each piece has its own output accumulator.
@@ -31,7 +31,7 @@ from dsjax.kernels.triton_rows import load_piece, row_pieces, storage
 from dsjax.numerics import precision
 
 def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, entry_pieces, mode, num_splits,
-            n_window_rows, n_entry_rows, n_picks):
+            n_window_rows, n_entry_rows):
     q_ref, sinks_ref, window_start_ref, window_end_ref, entries_len_ref = refs[:5]
     refs = refs[5:]
     window_refs, refs = refs[:n_window_refs], refs[n_window_refs:]
@@ -70,8 +70,8 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
     window_start, window_end = window_start_ref[...], window_end_ref[...]
     first_window_block = window_start // block_k
     n_window_blocks = jnp.maximum(pl.cdiv(window_end, block_k) - first_window_block, 0)
-    if mode == "picks":
-        n_entry_blocks = n_picks // block_k
+    if mode == "picks":  # entries_len: the row's pick slots up to its last valid one (`_attention`)
+        n_entry_blocks = pl.cdiv(entries_len_ref[...], block_k)
     elif mode == "prefix":
         entries_len = entries_len_ref[...]
         n_entry_blocks = pl.cdiv(entries_len, block_k)
@@ -168,13 +168,17 @@ def _attention(q_nhd, window, window_start_n, window_end_n, entries, sinks_h, sc
 
     window_arrays = storage(window)
     entry_arrays = [] if entries is None else storage(entries)
+    if mode == "picks":
+        # The pick slots up to the last valid one (top-k puts the −1s last): blocks past it hold no key, so
+        # a short row (early in a prompt, or a short prompt) skips them instead of masking them.
+        slot_k = jnp.arange(1, idx_nk.shape[1] + 1, dtype=jnp.int32)
+        entries_len_n = jnp.max(jnp.where(idx_nk >= 0, slot_k, 0), axis=1)
     scalars = [x.astype(jnp.int32) for x in (window_start_n, window_end_n, jnp.zeros((n,), jnp.int32)
                                              if entries_len_n is None else entries_len_n)]
     inputs = [q_nhd, sinks_h.astype(jnp.float32), *scalars, *window_arrays, *entry_arrays]
     in_specs = [pl.BlockSpec((None, block_h, d), lambda i, j, s: (i, j, 0)),
                 pl.BlockSpec((block_h,), lambda i, j, s: (j,))] + [per_row(x) for x in scalars]
     in_specs += [per_slot(a) for a in window_arrays + entry_arrays]
-    n_picks = 0
     if mode == "picks":
         n_picks = -(-idx_nk.shape[1] // block_k) * block_k
         idx = jnp.pad(idx_nk.astype(jnp.int32), ((0, 0), (0, n_picks - idx_nk.shape[1])), constant_values=-1)
@@ -193,8 +197,7 @@ def _attention(q_nhd, window, window_start_n, window_end_n, entries, sinks_h, sc
     kernel = functools.partial(
         _kernel, scale=scale, block_k=block_k, n_window_refs=len(window_arrays), n_entry_refs=len(entry_arrays),
         window_pieces=window_pieces, entry_pieces=entry_pieces, mode=mode, num_splits=num_splits,
-        n_window_rows=window_arrays[0].shape[1], n_entry_rows=entry_arrays[0].shape[1] if entry_arrays else 0,
-        n_picks=n_picks)
+        n_window_rows=window_arrays[0].shape[1], n_entry_rows=entry_arrays[0].shape[1] if entry_arrays else 0)
     out = pl.pallas_call(
         kernel, grid=(n, h // block_h, num_splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
