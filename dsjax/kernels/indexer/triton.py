@@ -110,6 +110,7 @@ def fuses(block_q: int, heads: int) -> bool:
     `FUSE_ROWS` rows."""
     return block_q > 1 and block_q * heads <= FUSE_ROWS
 
+
 _TILING = ("block_t", "tiles", "num_warps", "num_stages", "interpret")
 
 

@@ -70,13 +70,9 @@ def _kernel(*refs, scale, block_k, n_window_refs, n_entry_refs, window_pieces, e
     window_start, window_end = window_start_ref[...], window_end_ref[...]
     first_window_block = window_start // block_k
     n_window_blocks = jnp.maximum(pl.cdiv(window_end, block_k) - first_window_block, 0)
-    if mode == "picks":  # entries_len: the row's pick slots up to its last valid one (`_attention`)
-        n_entry_blocks = pl.cdiv(entries_len_ref[...], block_k)
-    elif mode == "prefix":
-        entries_len = entries_len_ref[...]
-        n_entry_blocks = pl.cdiv(entries_len, block_k)
-    else:
-        n_entry_blocks = 0
+    # entries_len: a prefix's entry count, or the row's pick slots up to its last valid one (`_attention`)
+    entries_len = entries_len_ref[...]
+    n_entry_blocks = 0 if mode == "none" else pl.cdiv(entries_len, block_k)
     total = n_window_blocks + n_entry_blocks
     lo, hi = split * total // num_splits, (split + 1) * total // num_splits
 
