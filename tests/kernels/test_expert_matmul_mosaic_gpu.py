@@ -54,25 +54,41 @@ def test_kernel_matches_reference(sizes, extra, k, n):
     close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
 
 
-@pytest.mark.parametrize("block_m,features", [(32, 64), (64, 64), (128, 64), (64, 128)])
-def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features):
+@pytest.mark.parametrize("block_m,features,words,stages", [
+    (32, 64, 32, 2), (64, 64, 32, 2), (128, 64, 32, 2), (64, 128, 32, 2),
+    (128, 64, 16, 3), (256, 64, 16, 2), (64, 64, 64, 2),  # the prefill sweep's step widths and depths
+])
+def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, words, stages):
     """Tiles of many rows (prefill), whose results are taken out by whole rows: groups over several
     tiles, an empty one, rows routed nowhere. Same sums as the decode tiling up to their order."""
     sizes, extra, k, n = [70, 0, 150, 5], 9, 1024, 128
     q, s = experts("fp4", len(sizes), n, k, seed=3)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    got = expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, features=features, interpret=True)[:sum(sizes)]
+    got = expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, features=features, words=words, stages=stages,
+                               interpret=True)[:sum(sizes)]
     close(got, expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
     close(got, expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)[:sum(sizes)])
 
 
-@pytest.mark.parametrize("block_m", [4, 12, 136])
+@pytest.mark.parametrize("block_m", [4, 12, 264])
 def test_block_m_out_of_range_is_refused(block_m):
     q, s = experts("fp4", 2, 64, 1024)
     with pytest.raises(ValueError, match="block_m must be a multiple of 8"):
         expert_matmul_mosaic(jnp.ones((8, 1024), jnp.bfloat16), q, s, jnp.asarray([4, 4], jnp.int32),
                              block_m=block_m, interpret=True)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(words=8), "words must be 16, 32 or 64"),
+    (dict(stages=0), "stages must be at least 1"),
+    (dict(block_m=256, words=32), r"need \d+ bytes of shared memory"),
+])
+def test_step_options_out_of_range_are_refused(options, message):
+    q, s = experts("fp4", 2, 64, 1024)
+    with pytest.raises(ValueError, match=message):
+        expert_matmul_mosaic(jnp.ones((8, 1024), jnp.bfloat16), q, s, jnp.asarray([4, 4], jnp.int32), **options,
+                             interpret=True)
 
 
 def test_scales_relative_to_the_rows_largest_are_exact_down_to_2_pow_minus_24():

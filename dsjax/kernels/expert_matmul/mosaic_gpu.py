@@ -52,7 +52,8 @@ BLOCK_M = 16    # rows per tile (wgmma's N): measured best against 8 and 32 from
 # at 128 (8,192 tokens) 64-row tiles (8.77 ms; 32 rows: 11.4; 16 rows: 16.5; 128 rows: 10.5). The switches
 # sit between the measured points: (from rows per expert, rows per tile), the first that applies.
 TILE_ROWS = ((48, 64), (8, 32))
-MAX_BLOCK_M = 128  # with 2 stages, 128 rows of 4 pairs' fp16 inputs fill 128 KiB of shared memory
+MAX_BLOCK_M = 256  # wgmma's largest N; shared memory bounds it further (`SMEM_BYTES`)
+SMEM_BYTES = 227 * 1024  # shared memory one program may hold on Hopper
 STAGES = 2      # steps in flight: measured best against 3 and 4
 MIN_ROWS = 128  # below, the Triton kernel is faster (8 tokens × 6 experts: 0.37 ms against 0.46)
 _WGMMA = plgpu.Layout.WGMMA
@@ -124,8 +125,15 @@ def _column(block, c):
     return jnp.max(jnp.where(col == c, block, _INT_MIN), axis=1)
 
 
+def _tiled(columns: int, itemsize: int) -> tuple:
+    """Shared-memory transforms for blocks `columns` wide: tiles of 8 rows by at most 128 bytes, swizzled
+    by a row's bytes up to 128 (TMA's and wgmma's widest)."""
+    row_bytes = min(columns * itemsize, 128)
+    return plgpu.TilingTransform((8, row_bytes // itemsize)), plgpu.SwizzleTransform(row_bytes)
+
+
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
-          block_m: int, features: int, interpret: bool):
+          block_m: int, features: int, words: int, stages: int, interpret: bool):
     t, nb = lax.axis_index("t"), lax.axis_index("n")
     plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
     plgpu.barrier_wait(bar)
@@ -139,22 +147,22 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         everything = plgpu.load(s_smem, layout=_WGMMA, optimized=False)
         top = functools.reduce(jnp.maximum, [lax.shift_right_logical(everything, 8 * q) & 0xFF for q in range(4)])
         top = jnp.max(top, axis=1)  # each row's largest ue8m0 exponent
-        j = plgpu.broadcasted_iota(jnp.int32, (features, WORDS), 1, layout=_WGMMA)
-        per_step = WORDS // 16  # scale words per step: four groups of four code words each
+        j = plgpu.broadcasted_iota(jnp.int32, (features, words), 1, layout=_WGMMA)
+        per_step = words // 16  # scale words per step: four groups of four code words each
 
         def step(idx, codes_smem, *x_smem):
             (kb,) = idx
-            words = plgpu.load(codes_smem, layout=_WGMMA)  # [64, WORDS] int32
+            codes = plgpu.load(codes_smem, layout=_WGMMA)  # [64, words] int32
             c8 = pl.multiple_of(kb * per_step // 8 * 8, 8)
             block = plgpu.load(s_smem.at[:, pl.ds(c8, 8)], layout=_WGMMA, optimized=False)
-            group = jnp.zeros((features, WORDS), jnp.int32)
+            group = jnp.zeros((features, words), jnp.int32)
             for i in range(per_step):  # word j's group: byte (j // 4) % 4 of scale word j // 16
-                sw = lax.broadcast_in_dim(_column(block, kb * per_step + i - c8), (features, WORDS), (0,))
+                sw = lax.broadcast_in_dim(_column(block, kb * per_step + i - c8), (features, words), (0,))
                 group = jnp.where(j // 16 == i, lax.shift_right_logical(sw, 8 * ((j // 4) % 4)) & 0xFF, group)
             # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
-            biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, WORDS), (0,)) + 30, 0, 31) << 10
+            biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, words), (0,)) + 30, 0, 31) << 10
             relative = _as_fp16(biased | (biased << 16), interpret)
-            for p, pair in enumerate(_pairs(words)):
+            for p, pair in enumerate(_pairs(codes)):
                 a = _as_fp16(pair, interpret) * relative
                 if interpret:  # the interpreter takes wgmma's A from shared memory only
                     a_smem[0][...] = a
@@ -169,12 +177,10 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
             plgpu.emit_pipeline(
                 step, grid=(n_k,),
                 in_specs=[
-                    plgpu.BlockSpec((features, WORDS), lambda kb: (0, kb),
-                                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
-                    *[plgpu.BlockSpec((block_m, 2 * WORDS), lambda kb: (0, kb),
-                                      transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))] * 4,
+                    plgpu.BlockSpec((features, words), lambda kb: (0, kb), transforms=_tiled(words, 4)),
+                    *[plgpu.BlockSpec((block_m, 2 * words), lambda kb: (0, kb), transforms=_tiled(2 * words, 2))] * 4,
                 ],
-                max_concurrent_steps=STAGES,
+                max_concurrent_steps=stages,
             )(w_ref.at[g, pl.ds(n0, features)], *(x_ref.at[p, t] for p in range(4)))
             return acc[...]
 
@@ -187,15 +193,16 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "features", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "features", "words", "stages", "interpret"))
 def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
                          layer: jax.Array | None = None, *, block_m: int = BLOCK_M, features: int = FEATURES,
-                         interpret: bool = False) -> jax.Array:
+                         words: int = WORDS, stages: int = STAGES, interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, "fp4")` as a Mosaic GPU
     kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`) and
     the kernel reads entry `layer` where it lies. `block_m` rows of one expert per program (wgmma's N):
     an expert's codes are decoded once per `block_m` of its rows, so prefill wants many; `features`
-    output features per program (64 or 128: one or two wgmma row blocks). Raises
+    output features per program (64 or 128: one or two wgmma row blocks); `words` int32 code words (8 ·
+    words inputs) per pipeline step, `stages` steps in flight. Raises
     CannotTile for what it does not take: non-bf16 activations, float scales, widths that do not tile
     (K a multiple of 256, N of 64)."""
     p, k = x_pk.shape
@@ -204,17 +211,26 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
                          f"got {block_m}")
     if features not in (64, 128):
         raise ValueError(f"expert_matmul_mosaic: features must be 64 or 128, got {features}")
+    if words not in (16, 32, 64):
+        raise ValueError(f"expert_matmul_mosaic: words must be 16, 32 or 64, got {words}")
+    if stages < 1:
+        raise ValueError(f"expert_matmul_mosaic: stages must be at least 1, got {stages}")
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_mosaic")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:
         raise CannotTile(f"expert_matmul_mosaic: activations must be bf16, got {x_pk.dtype}")
     if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
         raise CannotTile(f"expert_matmul_mosaic: FP4 experts need ue8m0 (power-of-two) scales, got {scale.dtype}")
-    if k % (8 * WORDS) or n % features or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
+    if k % (8 * words) or n % features or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
         raise CannotTile(f"expert_matmul_mosaic: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
-                         f"inputs do not tile (inputs by {8 * WORDS}, outputs by {features})")
+                         f"inputs do not tile (inputs by {8 * words}, outputs by {features})")
+    smem = (stages * (features * words * 4 + 4 * block_m * 2 * words * 2)  # the pipeline's codes and inputs
+            + features * (-(-k // 1024) * 8 + block_m) * 4 + 16)  # scales, the results, the tile's numbers
+    if smem > SMEM_BYTES:
+        raise ValueError(f"expert_matmul_mosaic: block_m={block_m}, features={features}, words={words} and "
+                         f"stages={stages} need {smem} bytes of shared memory, more than {SMEM_BYTES}")
     # Free views: eight codes per int32 word, four groups' scales per int32 word (little-endian).
-    words = lax.bitcast_convert_type(w_enk.reshape(e, n, k // 8, 4), jnp.int32)
+    code_words = lax.bitcast_convert_type(w_enk.reshape(e, n, k // 8, 4), jnp.int32)
     scale = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint8).reshape(e, n, k // 128, 4), jnp.int32)
     group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
     scale_t = group_t + first_expert
@@ -238,16 +254,17 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM((features, scale_words), jnp.int32),
                plgpu.SMEM((features, block_m), jnp.float32), plgpu.Barrier()]
     if interpret:
-        scratch.append(plgpu.SMEM((features, 2 * WORDS), jnp.float16))
+        scratch.append(plgpu.SMEM((features, 2 * words), jnp.float16))
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
-        _body(*refs, n_k=k // (8 * WORDS), block_m=block_m, features=features, interpret=interpret)
+        _body(*refs, n_k=k // (8 * words), block_m=block_m, features=features, words=words, stages=stages,
+              interpret=interpret)
 
     kernel = plgpu.kernel(
         dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, block_m), jnp.float32),
         scratch_types=scratch, grid=(n_tiles, n // features), grid_names=("t", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    out_tnm = kernel(tiles, x_qtmc, words, scale)
+    out_tnm = kernel(tiles, x_qtmc, code_words, scale)
     # Row i of the expert-sorted rows is row i - row0 of its tile; tiles holding rows come first, in order.
     tile_p = jnp.searchsorted(jnp.where(rows_t > 0, row0_t + rows_t, p + 1), jnp.arange(p), side="right")
     tile_p = jnp.minimum(tile_p, n_tiles - 1)
