@@ -196,6 +196,8 @@ def test_accelerator_artifacts_are_written_here(platform, preset, more, tmp_path
         assert name in decode, name
     prefill = loaded.exported["prefill"].mlir_module()  # and their chunks through the prefill kernel
     assert "dsjax_sparse_prefill" in prefill
+    if platform == "tpu":  # the indexer's chunks through its TPU kernel too
+        assert "index_scores_tpu" in prefill
 
 
 @pytest.mark.parametrize("argv,message", [

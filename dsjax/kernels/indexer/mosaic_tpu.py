@@ -1,12 +1,13 @@
-"""The lightning indexer's decode scores as a Pallas kernel for TPUs (Mosaic lowering; runs on CPU under
-the TPU interpreter, `interpret=pltpu.InterpretParams()`).
+"""The lightning indexer's scores as a Pallas kernel for TPUs, for decode (one query per slot) and for
+prefill chunks (Mosaic lowering; runs on CPU under the TPU interpreter, `interpret=pltpu.InterpretParams()`).
 
-Grid `(slot, key block)`, both parallel. A program scores `block_t` keys of one slot for all H heads:
-`dots [H, block_t] = q · kᵀ` on the MXU (keys along lanes, so the `[1, block_t]` row of scores is
-written lane-dense into a `[B, 1, T]` output), then `Σ_h w[h] · relu(dots[h])` as a sublane reduction,
-times `scale`. The slot's key length is a scalar-prefetch (SMEM) argument: the key index map clamps
-blocks past it to the slot's last valid block, so Pallas skips their copy, and those programs only
-write −inf.
+Grid `(slot, query block, key block)`, all parallel. A program scores `block_t` keys of one slot for
+`block_q` queries and all H heads: `dots [block_q · H, block_t] = q · kᵀ` on the MXU (keys along lanes,
+so the `[block_q, block_t]` scores are written lane-dense into a `[B, C, T]` output), then
+`Σ_h w[h] · relu(dots[h])` per query as a sublane reduction, times `scale`; keys at or past a query's
+own length are −inf. Each query block's longest key length is a scalar-prefetch (SMEM) argument: the
+key index map clamps blocks past it to its last valid block, so Pallas skips their copy, and those
+programs only write −inf. Decode is the chunk of one query.
 
 Keys: a float array `[B, T, c]`, or an fp8 PackedKV (e4m3 codes + fp32 scales per group of
 channels, plus an optional bf16 rotary slice; a zero-width one is not passed to the kernel). For fp8
@@ -33,10 +34,13 @@ from dsjax.kernels.sparse_attention.mosaic_tpu import byte_values, e4m3_to_f32
 from dsjax.quant import PackedKV
 
 F32 = jnp.float32
+# Queries per program of a prefill chunk: with 32 or 64 heads, 256 or 512 MXU rows. Not tuned: no TPU has
+# been lent to this project; the GPU kernel's sweep chose 4 × 32 and 4 × 64 rows (`triton.py`).
+BLOCK_Q = 8
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 
 
-def _kernel(len_ref, *refs, scale: float, block_t: int, packed: bool, rope: bool, group: int):
+def _kernel(maxlen_ref, len_ref, *refs, scale: float, block_t: int, packed: bool, rope: bool, group: int):
     refs = list(refs)
     q_ref = refs.pop(0)
     q_rope_ref = refs.pop(0) if rope else None
@@ -48,20 +52,23 @@ def _kernel(len_ref, *refs, scale: float, block_t: int, packed: bool, rope: bool
         keys_ref = refs.pop(0)
     (o_ref,) = refs
 
-    b, t = pl.program_id(0), pl.program_id(1)
-    length = len_ref[b]
+    b, j, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = t * block_t
+    block_q, h = q_ref.shape[:2]
 
     def dot(q, k):
-        """`q [H, ·] · k [block_t, ·]ᵀ` with fp32 sums; bf16 pairs stay bf16 (exact products)."""
+        """`q [rows, ·] · k [block_t, ·]ᵀ` with fp32 sums; bf16 pairs stay bf16 (exact products)."""
         if q.dtype == k.dtype == jnp.bfloat16:
             return jax.lax.dot_general(q, k, _NT, preferred_element_type=F32)
         return jax.lax.dot_general(q.astype(F32), k.astype(F32), _NT, preferred_element_type=F32,
                                    precision=jax.lax.Precision.HIGHEST)
 
-    @pl.when(start < length)
+    def rows(ref):  # a block's queries × heads as the MXU's rows
+        return ref[...].reshape(block_q * h, ref.shape[-1])
+
+    @pl.when(start < maxlen_ref[b, j])
     def _():
-        q = q_ref[...]
+        q = rows(q_ref)
         if packed:
             # e4m3 values are exact in bf16: the codes take the queries' dtype without rounding.
             codes = e4m3_to_f32(byte_values(codes_ref[...])).astype(q.dtype)
@@ -69,27 +76,30 @@ def _kernel(len_ref, *refs, scale: float, block_t: int, packed: bool, rope: bool
             dots = sum(dot(q[:, g * group:(g + 1) * group], codes[:, g * group:(g + 1) * group]) * scales[g:g + 1, :]
                        for g in range(scales.shape[0]))
             if rope:
-                dots = dots + dot(q_rope_ref[...], rope_ref[...])
+                dots = dots + dot(rows(q_rope_ref), rope_ref[...])
         else:
             dots = dot(q, keys_ref[...])
-        score = jnp.sum(jnp.maximum(dots, 0.0) * w_ref[...], axis=0, keepdims=True) * scale  # [1, block_t]
+        weighted = (jnp.maximum(dots, 0.0) * rows(w_ref)).reshape(block_q, h, block_t)
+        score = jnp.sum(weighted, axis=1) * scale  # [block_q, block_t]
         keys = start + jax.lax.broadcasted_iota(jnp.int32, score.shape, 1)
-        o_ref[...] = jnp.where(keys < length, score, -jnp.inf)
+        o_ref[...] = jnp.where(keys < len_ref[...], score, -jnp.inf)
 
-    @pl.when(start >= length)
+    @pl.when(start >= maxlen_ref[b, j])
     def _():
         o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_t", "interpret"))
-def index_scores_tpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,
-                     block_t: int = 512, interpret=False) -> jax.Array:
-    """`reference.index_scores_reference` as a Pallas TPU kernel (same arguments and `[B, T]` fp32 result).
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_t", "interpret"))
+def index_scores_chunk_tpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys_len_bc: jax.Array, scale: float,
+                           *, block_q: int = BLOCK_Q, block_t: int = 512, interpret=False) -> jax.Array:
+    """`reference.index_scores_chunk_reference` as a Pallas TPU kernel (same arguments and `[B, C, T]` fp32
+    result): each program scores `block_q` queries (all heads) against `block_t` keys.
 
-    `block_t`: keys per program; T longer than it must be a multiple of it, and it then a multiple
-    of 128 (the scores' lane tile). `interpret`: False on a TPU, or `pltpu.InterpretParams()` on CPU.
+    C longer than `block_q` must be a multiple of it, and it then a multiple of 8 (the sublane tile); T
+    longer than `block_t` likewise, with `block_t` a multiple of 128 (the lane tile). Blocks of keys
+    past every query of a block are skipped. `interpret`: False on a TPU, or `pltpu.InterpretParams()`.
     """
-    b, h, c = q_bhc.shape
+    b, c_len, h, c = q_bchc.shape
     packed = isinstance(keys, PackedKV)
     if packed and keys.fmt != "fp8":
         raise CannotTile("index_scores_tpu: index keys must be a float array or fp8 PackedKV; fp4 index keys are "
@@ -113,33 +123,50 @@ def index_scores_tpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: 
     elif t_len % block_t or block_t % 128:
         raise CannotTile(f"index_scores_tpu: {t_len} keys cannot be tiled in blocks of block_t={block_t}: block_t "
                          "must divide them and be a multiple of 128")
+    if c_len <= block_q:
+        block_q = c_len
+    elif c_len % block_q or block_q % 8:
+        raise CannotTile(f"index_scores_tpu: {c_len} queries cannot be tiled in blocks of block_q={block_q}: "
+                         "block_q must divide them and be a multiple of 8")
+    keys_len_bc = keys_len_bc.astype(jnp.int32)
+    maxlen_bj = keys_len_bc.reshape(b, c_len // block_q, block_q).max(axis=2)  # a query block's longest reach
 
-    def key_block(i, t, lens):
-        """Blocks past the slot's keys repeat its last valid block, so their copy is skipped."""
-        last = jnp.maximum(jax.lax.div(lens[i] + block_t - 1, jnp.int32(block_t)) - 1, 0)
+    def key_block(i, j, t, maxlen):
+        """Blocks past every key of the query block repeat its last valid block, so their copy is skipped."""
+        last = jnp.maximum(jax.lax.div(maxlen[i, j] + block_t - 1, jnp.int32(block_t)) - 1, 0)
         return jnp.minimum(t, last)
 
-    rows = lambda w: pl.BlockSpec((None, block_t, w), lambda i, t, lens: (i, key_block(i, t, lens), 0))  # noqa: E731
-    whole = lambda w: pl.BlockSpec((None, h, w), lambda i, t, lens: (i, 0, 0))  # noqa: E731
-    inputs = [q_bhc[..., :n]] + ([q_bhc[..., n:]] if rd else []) + [weights_bh.astype(F32).reshape(b, h, 1)]
-    in_specs = [whole(n)] + ([whole(rd)] if rd else []) + [whole(1)]
+    rows = lambda w: pl.BlockSpec((None, block_t, w),  # noqa: E731
+                                  lambda i, j, t, maxlen: (i, key_block(i, j, t, maxlen), 0))
+    queries = lambda w: pl.BlockSpec((None, block_q, h, w), lambda i, j, t, maxlen: (i, j, 0, 0))  # noqa: E731
+    inputs = [keys_len_bc[..., None], q_bchc[..., :n]] + ([q_bchc[..., n:]] if rd else [])
+    inputs.append(weights_bch.astype(F32)[..., None])
+    in_specs = [pl.BlockSpec((None, block_q, 1), lambda i, j, t, maxlen: (i, j, 0)), queries(n)]
+    in_specs += ([queries(rd)] if rd else []) + [queries(1)]
     if packed:
         scales_bgt = jnp.swapaxes(keys.scales.astype(F32), 1, 2)  # lane-major: one row per scale group
         inputs += [keys.codes, scales_bgt] + ([keys.rope] if rd else [])
-        in_specs += [rows(n), pl.BlockSpec((None, n_groups, block_t), lambda i, t, lens: (i, 0, key_block(i, t, lens)))]
+        in_specs += [rows(n), pl.BlockSpec((None, n_groups, block_t),
+                                           lambda i, j, t, maxlen: (i, 0, key_block(i, j, t, maxlen)))]
         in_specs += [rows(rd)] if rd else []
     else:
         inputs.append(keys)
         in_specs.append(rows(c))
 
     kernel = functools.partial(_kernel, scale=float(scale), block_t=block_t, packed=packed, rope=rd > 0, group=group)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(b, t_len // block_t), in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, 1, block_t), lambda i, t, lens: (i, 0, t))),
-        out_shape=jax.ShapeDtypeStruct((b, 1, t_len), F32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+            num_scalar_prefetch=1, grid=(b, c_len // block_q, t_len // block_t), in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, block_q, block_t), lambda i, j, t, maxlen: (i, j, t))),
+        out_shape=jax.ShapeDtypeStruct((b, c_len, t_len), F32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret, name="dsjax_index_scores_tpu",
-    )(keys_len_b.astype(jnp.int32), *inputs)
-    return out.reshape(b, t_len)
+    )(maxlen_bj, *inputs)
+
+
+def index_scores_tpu(q_bhc: jax.Array, weights_bh: jax.Array, keys, keys_len_b: jax.Array, scale: float, *,
+                     block_t: int = 512, interpret=False) -> jax.Array:
+    """`reference.index_scores_reference` (one query per slot, `[B, T]`): `index_scores_chunk_tpu` of C = 1."""
+    return index_scores_chunk_tpu(q_bhc[:, None], weights_bh[:, None], keys, keys_len_b[:, None], scale,
+                                  block_t=block_t, interpret=interpret)[:, 0]

@@ -8,7 +8,7 @@ import functools
 import jax
 
 from dsjax.kernels.dispatch import dispatch, over_slots, reads_records
-from dsjax.kernels.indexer.mosaic_tpu import index_scores_tpu
+from dsjax.kernels.indexer.mosaic_tpu import index_scores_chunk_tpu
 from dsjax.kernels.indexer.reference import index_scores_chunk_reference
 from dsjax.kernels.indexer.triton import index_scores_chunk_gpu
 
@@ -17,7 +17,7 @@ def index_scores(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys_len_bc: j
                  kernels: str = "auto") -> jax.Array:
     """`reference.index_scores_chunk_reference`'s `[B, C, T]` scores of C queries per slot (C = 1: decode),
     by the kernel `kernels` selects for the platform (under a mesh, on each device's slots:
-    `dispatch.over_slots`). The TPU kernel scores one query per slot; chunks run the reference there."""
+    `dispatch.over_slots`)."""
     return over_slots(functools.partial(_index_scores, scale=scale, kernels=kernels),
                       dict(q_bchc=q_bchc, weights_bch=weights_bch, keys=keys, keys_len_bc=keys_len_bc))
 
@@ -26,8 +26,7 @@ def _index_scores(q_bchc, weights_bch, keys, keys_len_bc, scale, *, kernels):
     kernels = reads_records(kernels, keys)
     args = (q_bchc, weights_bch, keys, keys_len_bc, scale)
     decode = q_bchc.shape[1] == 1
-    tpu = (lambda: index_scores_tpu(q_bchc[:, 0], weights_bch[:, 0], keys, keys_len_bc[:, 0], scale)[:, None]
-           ) if decode else None
+    tpu = functools.partial(index_scores_chunk_tpu, *args)
     # Decode keeps the tiling swept for it; a chunk takes block_q queries per key block.
     tiling = dict(block_q=1) if decode else {}
     return dispatch(functools.partial(index_scores_chunk_reference, *args), kernels=kernels,
