@@ -44,7 +44,7 @@ from dsjax.kernels.expert_matmul.triton import fold_layer, group_tiles
 from dsjax.kernels.gpu_fp16 import fp16_rows, pow2
 from dsjax.quant import FP4_GROUP
 
-WORDS = 32      # int32 code words per row per step (256 inputs): measured best against 64
+WORDS = 32      # int32 code words per row per step (256 inputs): measured best against 64, and against 16 in prefill
 FEATURES = 64   # output features per program (wgmma's M): measured best against 128
 BLOCK_M = 16    # rows per tile (wgmma's N): measured best against 8 and 32 from 128 rows on
 # Rows per tile by rows per expert, on V4.1-Flash's widths on the H200 (docs/benchmarks.md, 2026-12-03):
