@@ -32,6 +32,18 @@ def index_inputs(seed, keys, *, b=2, h=16, c=128, t=64, dtype=jnp.bfloat16, grou
     return q, weights, k, jnp.asarray(keys_len, jnp.int32), c ** -0.5
 
 
+def assert_scores_match(got, want, q, what: str) -> np.ndarray:
+    """The kernel's fp32 scores are −inf exactly where the reference's are, and close elsewhere; returns
+    where they are finite."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    visible = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), visible)
+    assert (got[~visible] == -np.inf).all()
+    assert_close(got[visible], want[visible], rtol=rtol_for(q), what=what)
+    return visible
+
+
 INDEX_CASES = [
     ("bfloat16", {}, {}),
     ("float32", {"dtype": jnp.float32, "t": 256}, {"block_t": 128}),  # a block past a slot's keys is skipped
@@ -46,14 +58,9 @@ INDEX_CASES = [
 def test_index_scores_match_reference(seed, case):
     keys, shape, tiling = case
     args = index_inputs(seed, keys, **shape)
-    want = np.asarray(index_reference(*args))
-    got = np.asarray(index_scores_tpu(*args, **tiling, interpret=INTERPRET))
-    assert got.dtype == np.float32 and got.shape == want.shape
-    visible = np.isfinite(want)
+    got = index_scores_tpu(*args, **tiling, interpret=INTERPRET)
+    visible = assert_scores_match(got, index_reference(*args), args[0], keys)
     assert not visible[0].any() and visible.any()
-    np.testing.assert_array_equal(np.isfinite(got), visible)
-    assert (got[~visible] == -np.inf).all()
-    assert_close(got[visible], want[visible], rtol=rtol_for(args[0]), what=keys)
 
 
 @pytest.mark.parametrize("keys", ["fp8", "bfloat16"])
@@ -111,13 +118,9 @@ CHUNK_CASES = [
 def test_chunk_scores_match_reference(seed, case):
     keys, shape, tiling = case
     args = chunk_inputs(seed, keys, **shape)
-    want = np.asarray(chunk_reference(*args))
-    got = np.asarray(index_scores_chunk_tpu(*args, **tiling, interpret=INTERPRET))
-    assert got.dtype == np.float32 and got.shape == want.shape
-    visible = np.isfinite(want)
+    got = index_scores_chunk_tpu(*args, **tiling, interpret=INTERPRET)
+    visible = assert_scores_match(got, chunk_reference(*args), args[0], keys)
     assert not visible[0, 0].any() and visible.any() and (~visible).any()
-    np.testing.assert_array_equal(np.isfinite(got), visible)
-    assert_close(got[visible], want[visible], rtol=rtol_for(args[0]), what=keys)
 
 
 def test_chunk_scores_refuse_untileable_query_blocks():
