@@ -439,7 +439,7 @@ def bench_fp4_experts(args, cfg, bandwidth):
     `--tokens` tokens routed uniformly at random: the reference as the model runs it for many rows per
     expert (every expert dequantized to bf16, then the tuned grouped matmul) against the Mosaic GPU FP4
     kernel with each `--block-m` (rows of one expert per program), `--features` (outputs per program),
-    `--words` (code words per step) and `--stages` (steps in flight).
+    `--words` (code words per step), `--stages` (steps in flight) and `--in-place`.
     Errors are against the reference."""
     from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic
     from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
@@ -460,17 +460,19 @@ def bench_fp4_experts(args, cfg, bandwidth):
 
         x, scale = make_set(0)
         want = np.asarray(jax.jit(expert_matmul_reference, static_argnums=4)(x, codes, scale, sizes, "fp4"), np.float32)
-        tilings = list(itertools.product(args.block_m, args.features, args.words, args.stages))
+        tilings = list(itertools.product(args.block_m, args.features, args.words, args.stages,
+                                         [mode == "on" for mode in args.in_place]))
         for choice in ([] if args.no_reference else [None]) + tilings:
             if choice is None:
                 label = {"impl": "dequantize+grouped_dot"}
                 def kernel(codes, sizes, x, scale):
                     return expert_matmul_reference(x, codes, scale, sizes, "fp4")
             else:
-                label = {"impl": "mosaic_fp4", **dict(zip(("block_m", "features", "words", "stages"), choice))}
+                label = {"impl": "mosaic_fp4",
+                         **dict(zip(("block_m", "features", "words", "stages", "in_place"), choice))}
                 def kernel(codes, sizes, x, scale, choice=choice):
                     return expert_matmul_mosaic(x, codes, scale, sizes, block_m=choice[0], features=choice[1],
-                                                words=choice[2], stages=choice[3])
+                                                words=choice[2], stages=choice[3], in_place=choice[4])
             try:
                 got = np.asarray(jax.jit(kernel)(codes, sizes, x, scale), np.float32)
                 t_kernel = timed(kernel, make_set, (codes, sizes), few=1, many=3, repeats=5)
@@ -638,6 +640,8 @@ def main(argv=None) -> int:
     p.add_argument("--features", type=int, nargs="+", default=[64], help="fp4-experts: outputs per program")
     p.add_argument("--words", type=int, nargs="+", default=[32], help="fp4-experts: int32 code words per step")
     p.add_argument("--stages", type=int, nargs="+", default=[2], help="fp4-experts: steps in flight")
+    p.add_argument("--in-place", nargs="+", choices=("off", "on"), default=["off"],
+                   help="fp4-experts: tiles' rows copied out first (off) or read where they lie (on)")
     p.add_argument("--block-k-mm", dest="block_k_mm", type=int, nargs="+", default=[64, 128],
                    help="grouped-matmul: contraction per step")
     p.add_argument("--grid-tile-width", type=int, nargs="+", default=[1, 8], help="grouped-matmul")

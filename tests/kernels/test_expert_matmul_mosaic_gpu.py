@@ -42,14 +42,16 @@ def test_input_order_renumbers_every_input_once_per_pair():
     ([1, 1, 1, 1, 1], 11, 1024, 192),    # one-row groups, three feature blocks
     ([9, 4, 20], 3, 1280, 64),           # 10 scale words a row, padded to 16 (as V4.1's down_proj's 18)
 ])
-def test_kernel_matches_reference(sizes, extra, k, n):
-    """Random experts with scales spread over 2^13 (interpreted: no GPU needed)."""
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kernel_matches_reference(sizes, extra, k, n, in_place):
+    """Random experts with scales spread over 2^13 (interpreted: no GPU needed), each tile's rows copied
+    out or read in place."""
     e = len(sizes)
     q, s = experts("fp4", e, n, k, seed=len(sizes) + extra)
     p = sum(sizes) + extra
     x = jnp.asarray(np.random.default_rng(extra).standard_normal((p, k)) * 3, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    got = expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)
+    got = expert_matmul_mosaic(x, q, s, group_sizes, in_place=in_place, interpret=True)
     assert got.shape == (p, n) and got.dtype == jnp.bfloat16
     close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
 
@@ -58,15 +60,20 @@ def test_kernel_matches_reference(sizes, extra, k, n):
     (32, 64, 32, 2), (64, 64, 32, 2), (128, 64, 32, 2), (64, 128, 32, 2),
     (128, 64, 16, 3), (256, 64, 16, 2), (64, 64, 64, 2),  # the prefill sweep's step widths and depths
 ])
-def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, words, stages):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, words, stages, in_place):
     """Tiles of many rows (prefill), whose results are taken out by whole rows: groups over several
     tiles, an empty one, rows routed nowhere. Same sums as the decode tiling up to their order."""
     sizes, extra, k, n = [70, 0, 150, 5], 9, 1024, 128
     q, s = experts("fp4", len(sizes), n, k, seed=3)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
+    if in_place and block_m == 256:  # 256 rows and the 8 before them are more than wgmma's N
+        with pytest.raises(ValueError, match="block_m=256 is too many"):
+            expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, in_place=True, interpret=True)
+        return
     got = expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, features=features, words=words, stages=stages,
-                               interpret=True)[:sum(sizes)]
+                               in_place=in_place, interpret=True)[:sum(sizes)]
     close(got, expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
     close(got, expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)[:sum(sizes)])
 
@@ -202,15 +209,18 @@ def test_refuses_what_it_does_not_take_with_a_clear_error(change, message, until
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("k", [4096, 2048])
-def test_native_kernel_matches_reference(k):
+@pytest.mark.parametrize("block_m,in_place", [(16, False), (16, True), (64, True)])
+def test_native_kernel_matches_reference(k, block_m, in_place):
     """Compiled (the register reinterpretation and register-A wgmma, which the interpreter replaces):
-    V4-Flash's expert widths (gate_up 4096 inputs, down_proj 2048), 32 tokens' worth of rows."""
+    V4-Flash's expert widths (gate_up 4096 inputs, down_proj 2048), 32 tokens' worth of rows; decode and
+    prefill tiles, copied out or read in place (wgmma's N of 24 and 72)."""
     e, n = 16, 512
     q, s = experts("fp4", e, n, k)
     rng = np.random.default_rng(1)
     sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
     x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
-    close(expert_matmul_mosaic(x, q, s, sizes), expert_matmul_reference(x, q, s, sizes, "fp4"))
+    close(expert_matmul_mosaic(x, q, s, sizes, block_m=block_m, in_place=in_place),
+          expert_matmul_reference(x, q, s, sizes, "fp4"))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

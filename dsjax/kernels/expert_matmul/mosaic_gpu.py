@@ -133,12 +133,17 @@ def _tiled(columns: int, itemsize: int) -> tuple:
 
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
-          block_m: int, features: int, words: int, stages: int, interpret: bool):
+          block_m: int, features: int, words: int, stages: int, in_place: bool, interpret: bool):
     t, nb = lax.axis_index("t"), lax.axis_index("n")
     plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
     plgpu.barrier_wait(bar)
-    g, rows, g_scale = tiles_smem[0, 0], tiles_smem[0, 2], tiles_smem[0, 3]
+    g, row0, rows, g_scale = tiles_smem[0, 0], tiles_smem[0, 1], tiles_smem[0, 2], tiles_smem[0, 3]
     n0 = pl.multiple_of(nb * features, features)
+    window = block_m + 8 if in_place else block_m
+    if in_place:  # the tile's rows where they lie, from the multiple of 8 at or before its first
+        x_rows = [x_ref.at[p, pl.ds(pl.multiple_of(row0 - lax.rem(row0, 8), 8), window)] for p in range(4)]
+    else:  # the tile's own copy
+        x_rows = [x_ref.at[p, t] for p in range(4)]
 
     @pl.when(rows > 0)
     def _():
@@ -178,14 +183,14 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
                 step, grid=(n_k,),
                 in_specs=[
                     plgpu.BlockSpec((features, words), lambda kb: (0, kb), transforms=_tiled(words, 4)),
-                    *[plgpu.BlockSpec((block_m, 2 * words), lambda kb: (0, kb), transforms=_tiled(2 * words, 2))] * 4,
+                    *[plgpu.BlockSpec((window, 2 * words), lambda kb: (0, kb), transforms=_tiled(2 * words, 2))] * 4,
                 ],
                 max_concurrent_steps=stages,
-            )(w_ref.at[g, pl.ds(n0, features)], *(x_ref.at[p, t] for p in range(4)))
+            )(w_ref.at[g, pl.ds(n0, features)], *x_rows)
             return acc[...]
 
         acc_ref = None
-        acc = pl.run_scoped(pipelined, plgpu.ACC((features, block_m), jnp.float32))
+        acc = pl.run_scoped(pipelined, plgpu.ACC((features, window), jnp.float32))
         acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
         out_smem[...] = acc
         plgpu.commit_smem()
@@ -193,16 +198,20 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "features", "words", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "features", "words", "stages", "in_place", "interpret"))
 def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
                          layer: jax.Array | None = None, *, block_m: int = BLOCK_M, features: int = FEATURES,
-                         words: int = WORDS, stages: int = STAGES, interpret: bool = False) -> jax.Array:
+                         words: int = WORDS, stages: int = STAGES, in_place: bool = False,
+                         interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, "fp4")` as a Mosaic GPU
     kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`) and
     the kernel reads entry `layer` where it lies. `block_m` rows of one expert per program (wgmma's N):
     an expert's codes are decoded once per `block_m` of its rows, so prefill wants many; `features`
     output features per program (64 or 128: one or two wgmma row blocks); `words` int32 code words (8 ·
-    words inputs) per pipeline step, `stages` steps in flight. Raises
+    words inputs) per pipeline step, `stages` steps in flight. `in_place`: each program reads its tile's
+    rows where they lie in the sorted activations, `block_m + 8` of them from the multiple of 8 at or
+    before its first row (TMA's alignment), and keeps the `block_m` that are its own, instead of reading a
+    copy of them made beforehand (not yet measured on a GPU, so off by default). Raises
     CannotTile for what it does not take: non-bf16 activations, float scales, widths that do not tile
     (K a multiple of 256, N of 64)."""
     p, k = x_pk.shape
@@ -211,6 +220,9 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
                          f"got {block_m}")
     if features not in (64, 128):
         raise ValueError(f"expert_matmul_mosaic: features must be 64 or 128, got {features}")
+    if in_place and block_m + 8 > MAX_BLOCK_M:
+        raise ValueError(f"expert_matmul_mosaic: in place, a program reads block_m + 8 rows, at most {MAX_BLOCK_M}: "
+                         f"block_m={block_m} is too many")
     if words not in (16, 32, 64):
         raise ValueError(f"expert_matmul_mosaic: words must be 16, 32 or 64, got {words}")
     if stages < 1:
@@ -224,8 +236,9 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     if k % (8 * words) or n % features or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
         raise CannotTile(f"expert_matmul_mosaic: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
                          f"inputs do not tile (inputs by {8 * words}, outputs by {features})")
-    smem = (stages * (features * words * 4 + 4 * block_m * 2 * words * 2)  # the pipeline's codes and inputs
-            + features * (-(-k // 1024) * 8 + block_m) * 4 + 16)  # scales, the results, the tile's numbers
+    window = block_m + 8 if in_place else block_m  # rows each program reads and computes
+    smem = (stages * (features * words * 4 + 4 * window * 2 * words * 2)  # the pipeline's codes and inputs
+            + features * (-(-k // 1024) * 8 + window) * 4 + 16)  # scales, the results, the tile's numbers
     if smem > SMEM_BYTES:
         raise ValueError(f"expert_matmul_mosaic: block_m={block_m}, features={features}, words={words} and "
                          f"stages={stages} need {smem} bytes of shared memory, more than {SMEM_BYTES}")
@@ -243,36 +256,40 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
             scale_t = group_t
         scale = jnp.pad(scale, ((0, 0), (0, 0), (0, scale_words - k // 128)))
     pieces, unscale_p = fp16_rows({0: x_pk})
-    x_qpc = renumbered(jnp.pad(pieces[0], ((0, block_m), (0, 0))))  # [4, P + block_m, K/4]
-    # Each tile's rows copied out ([4, T, block_m, K/4]): TMA into tiled shared memory needs row offsets
-    # that are multiples of 8, and a tile starts wherever its expert's rows do. On the H200 these copies
-    # (T ≥ E tiles, mostly of padding rows) cost 0.76 ms of a 7.0 ms decode step at 32 sequences, whether
-    # gathered row by row or as slabs: docs/kernels.md has the plan that drops them.
-    x_qtmc = jax.vmap(lambda r: lax.dynamic_slice_in_dim(x_qpc, r, block_m, axis=1), out_axes=1)(row0_t)
+    x_qpc = renumbered(jnp.pad(pieces[0], ((0, window), (0, 0))))  # [4, P + window, K/4]
+    if in_place:
+        x_in, shift_t = x_qpc, lax.rem(row0_t, 8)  # a tile's row i is row shift + i of its window
+    else:
+        # Each tile's rows copied out ([4, T, block_m, K/4]): TMA into tiled shared memory needs row offsets
+        # that are multiples of 8, and a tile starts wherever its expert's rows do. On the H200 these copies
+        # (T ≥ E tiles, mostly of padding rows) cost 0.76 ms of a 7.0 ms decode step at 32 sequences, whether
+        # gathered row by row or as slabs (docs/kernels.md); `in_place` drops them.
+        x_in = jax.vmap(lambda r: lax.dynamic_slice_in_dim(x_qpc, r, block_m, axis=1), out_axes=1)(row0_t)
+        shift_t = jnp.zeros_like(row0_t)
     tiles = jnp.stack([group_t + first_expert, row0_t, rows_t, scale_t], axis=1)  # [T, 4]
     n_tiles = tiles.shape[0]
     scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM((features, scale_words), jnp.int32),
-               plgpu.SMEM((features, block_m), jnp.float32), plgpu.Barrier()]
+               plgpu.SMEM((features, window), jnp.float32), plgpu.Barrier()]
     if interpret:
         scratch.append(plgpu.SMEM((features, 2 * words), jnp.float16))
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
         _body(*refs, n_k=k // (8 * words), block_m=block_m, features=features, words=words, stages=stages,
-              interpret=interpret)
+              in_place=in_place, interpret=interpret)
 
     kernel = plgpu.kernel(
-        dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, block_m), jnp.float32),
+        dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, window), jnp.float32),
         scratch_types=scratch, grid=(n_tiles, n // features), grid_names=("t", "n"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    out_tnm = kernel(tiles, x_qtmc, code_words, scale)
+    out_tnm = kernel(tiles, x_in, code_words, scale)
     # Row i of the expert-sorted rows is row i - row0 of its tile; tiles holding rows come first, in order.
     tile_p = jnp.searchsorted(jnp.where(rows_t > 0, row0_t + rows_t, p + 1), jnp.arange(p), side="right")
     tile_p = jnp.minimum(tile_p, n_tiles - 1)
-    within_p = jnp.arange(p) - row0_t[tile_p]
+    within_p = jnp.arange(p) - row0_t[tile_p] + shift_t[tile_p]  # the row's column of its tile's window
     if block_m < 32:  # few rows a tile (decode): pick the P · N results out of the tiles
         return (out_tnm[tile_p, :, within_p] * unscale_p[:, None]).astype(x_pk.dtype)
     # Most of the tiles' results are wanted (prefill): unscale, round and transpose them in one pass at
     # copy speed, then take whole rows. Rows past the tile's own are scaled by some row's factor: unused.
-    unscale_tm = unscale_p[jnp.minimum(row0_t[:, None] + jnp.arange(block_m), p - 1)]
+    unscale_tm = unscale_p[jnp.clip(row0_t[:, None] - shift_t[:, None] + jnp.arange(window), 0, p - 1)]
     out_tmn = (jnp.swapaxes(out_tnm, 1, 2) * unscale_tm[:, :, None]).astype(x_pk.dtype)
-    return jnp.take(out_tmn.reshape(n_tiles * block_m, n), tile_p * block_m + within_p, axis=0)
+    return jnp.take(out_tmn.reshape(n_tiles * window, n), tile_p * window + within_p, axis=0)
