@@ -133,13 +133,14 @@ def _tiled(columns: int, itemsize: int) -> tuple:
 
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
-          block_m: int, features: int, words: int, stages: int, in_place: bool, interpret: bool):
+          window: int, features: int, words: int, stages: int, in_place: bool, interpret: bool):
+    """One program: `window` rows (the tile's, or in place the `block_m + 8` from a multiple of 8) of one
+    expert against `features` of its outputs."""
     t, nb = lax.axis_index("t"), lax.axis_index("n")
     plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
     plgpu.barrier_wait(bar)
     g, row0, rows, g_scale = tiles_smem[0, 0], tiles_smem[0, 1], tiles_smem[0, 2], tiles_smem[0, 3]
     n0 = pl.multiple_of(nb * features, features)
-    window = block_m + 8 if in_place else block_m
     if in_place:  # the tile's rows where they lie, from the multiple of 8 at or before its first
         x_rows = [x_ref.at[p, pl.ds(pl.multiple_of(row0 - lax.rem(row0, 8), 8), window)] for p in range(4)]
     else:  # the tile's own copy
@@ -274,7 +275,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
         scratch.append(plgpu.SMEM((features, 2 * words), jnp.float16))
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
-        _body(*refs, n_k=k // (8 * words), block_m=block_m, features=features, words=words, stages=stages,
+        _body(*refs, n_k=k // (8 * words), window=window, features=features, words=words, stages=stages,
               in_place=in_place, interpret=interpret)
 
     kernel = plgpu.kernel(
