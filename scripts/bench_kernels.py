@@ -439,10 +439,14 @@ def bench_fp4_experts(args, cfg, bandwidth):
     `--tokens` tokens routed uniformly at random: the reference as the model runs it for many rows per
     expert (every expert dequantized to bf16, then the tuned grouped matmul) against the Mosaic GPU FP4
     kernel with each `--block-m` (rows of one expert per program), `--features` (outputs per program),
-    `--words` (code words per step), `--stages` (steps in flight) and `--in-place`.
+    `--words` (code words per step), `--stages` (steps in flight) and `--in-place`, and with `--triton` the
+    Triton kernel (what the model takes below `mosaic_gpu.MIN_ROWS` rows). Each row has the bytes a kernel
+    must move at least (the codes and scales of the experts with rows, the rows in and out) and their share of
+    the copy bandwidth.
     Errors are against the reference."""
     from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic
     from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
+    from dsjax.kernels.expert_matmul.triton import expert_matmul_gpu
 
     rows = []
     e, h, inter, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
@@ -460,19 +464,27 @@ def bench_fp4_experts(args, cfg, bandwidth):
 
         x, scale = make_set(0)
         want = np.asarray(jax.jit(expert_matmul_reference, static_argnums=4)(x, codes, scale, sizes, "fp4"), np.float32)
+        # What a kernel must move at least: the codes and scales of the experts with rows, the rows in and out.
+        n_bytes = int(np.count_nonzero(np.asarray(sizes))) * n_dim * (k_dim // 2 + k_dim // FP4_GROUP) \
+            + m * (k_dim + n_dim) * 2
         tilings = list(itertools.product(args.block_m, args.features, args.words, args.stages,
                                          [mode == "on" for mode in args.in_place]))
-        for choice in ([] if args.no_reference else [None]) + tilings:
+        for choice in ([] if args.no_reference else [None]) + (["triton"] if args.triton else []) + tilings:
             if choice is None:
                 label = {"impl": "dequantize+grouped_dot"}
                 def kernel(codes, sizes, x, scale):
                     return expert_matmul_reference(x, codes, scale, sizes, "fp4")
+            elif choice == "triton":
+                label = {"impl": "triton_fp4"}
+                def kernel(codes, sizes, x, scale):
+                    return expert_matmul_gpu(x, codes, scale, sizes, "fp4", interpret=args.interpret)
             else:
                 label = {"impl": "mosaic_fp4",
                          **dict(zip(("block_m", "features", "words", "stages", "in_place"), choice))}
                 def kernel(codes, sizes, x, scale, choice=choice):
                     return expert_matmul_mosaic(x, codes, scale, sizes, block_m=choice[0], features=choice[1],
-                                                words=choice[2], stages=choice[3], in_place=choice[4])
+                                                words=choice[2], stages=choice[3], in_place=choice[4],
+                                                interpret=args.interpret)
             try:
                 got = np.asarray(jax.jit(kernel)(codes, sizes, x, scale), np.float32)
                 t_kernel = timed(kernel, make_set, (codes, sizes), few=1, many=3, repeats=5)
@@ -480,8 +492,11 @@ def bench_fp4_experts(args, cfg, bandwidth):
                 print(f"{name} {label}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                 continue
             emit(args, rows, {"op": "fp4_experts", "matmul": name, "tokens": tokens, "rows": m, **label,
-                              "kernel_ms": t_kernel * 1e3, "TFLOPs": 2 * m * k_dim * n_dim / t_kernel / 1e12,
-                              "rel_err": float(np.linalg.norm(got - want) / np.linalg.norm(want))}, bandwidth)
+                              "kernel_ms": t_kernel * 1e3, "MB": n_bytes / 1e6, "GBps": n_bytes / t_kernel / 1e9,
+                              "of_copy": n_bytes / t_kernel / bandwidth,
+                              "TFLOPs": 2 * m * k_dim * n_dim / t_kernel / 1e12,
+                              "rel_err": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
+                              "max_diff": float(np.max(np.abs(got - want)))}, bandwidth)
         del codes, scale
     return rows
 
@@ -640,6 +655,7 @@ def main(argv=None) -> int:
     p.add_argument("--features", type=int, nargs="+", default=[64], help="fp4-experts: outputs per program")
     p.add_argument("--words", type=int, nargs="+", default=[32], help="fp4-experts: int32 code words per step")
     p.add_argument("--stages", type=int, nargs="+", default=[2], help="fp4-experts: steps in flight")
+    p.add_argument("--triton", action="store_true", help="fp4-experts: time the Triton kernel too")
     p.add_argument("--in-place", nargs="+", choices=("off", "on"), default=["off"],
                    help="fp4-experts: tiles' rows copied out first (off) or read where they lie (on)")
     p.add_argument("--block-k-mm", dest="block_k_mm", type=int, nargs="+", default=[64, 128],
