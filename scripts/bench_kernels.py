@@ -68,7 +68,10 @@ def timed(fn, make_sets, shared=(), few: int = 8, many: int = 24, repeats: int =
             jax.block_until_ready(run(shared, sets))
             samples.append(time.perf_counter() - t0)
         times[n] = min(samples)  # host jitter only ever adds time
-    return max(times[many] - times[few], 1e-9) / (many - few)
+    if times[many] <= times[few]:  # the difference drowned in jitter: no number rather than a wrong one
+        raise RuntimeError(f"timing did not resolve: {many} calls took {times[many] * 1e3:.3f} ms, {few} took "
+                           f"{times[few] * 1e3:.3f} ms; time more calls")
+    return (times[many] - times[few]) / (many - few)
 
 
 def random_rows(key, shape, kv_dtype: str, rope_dim: int):
@@ -487,7 +490,7 @@ def bench_fp4_experts(args, cfg, bandwidth):
                                                 interpret=args.interpret)
             try:
                 got = np.asarray(jax.jit(kernel)(codes, sizes, x, scale), np.float32)
-                t_kernel = timed(kernel, make_set, (codes, sizes), few=1, many=3, repeats=5)
+                t_kernel = timed(kernel, make_set, (codes, sizes), few=2, many=8, repeats=5)
             except Exception as ex:  # e.g. widths the kernel does not tile: say so and go on
                 print(f"{name} {label}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                 continue
