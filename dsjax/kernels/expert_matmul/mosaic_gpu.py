@@ -212,7 +212,8 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     words inputs) per pipeline step, `stages` steps in flight. `in_place`: each program reads its tile's
     rows where they lie in the sorted activations, `block_m + 8` of them from the multiple of 8 at or
     before its first row (TMA's alignment), and keeps the `block_m` that are its own, instead of reading a
-    copy of them made beforehand (not yet measured on a GPU, so off by default). Raises
+    copy of them made beforehand; off by default, as on the H200 it was slower for gate_up at every
+    tiling measured (docs/kernels.md). Raises
     CannotTile for what it does not take: non-bf16 activations, float scales, widths that do not tile
     (K a multiple of 256, N of 64)."""
     p, k = x_pk.shape
