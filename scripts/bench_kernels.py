@@ -442,12 +442,13 @@ def bench_fp4_experts(args, cfg, bandwidth):
     `--tokens` tokens routed uniformly at random: the reference as the model runs it for many rows per
     expert (every expert dequantized to bf16, then the tuned grouped matmul) against the Mosaic GPU FP4
     kernel with each `--block-m` (rows of one expert per program), `--features` (outputs per program),
-    `--words` (code words per step), `--stages` (steps in flight) and `--in-place`, and with `--triton` the
+    `--words` (code words per step), `--stages` (steps in flight), `--in-place` and `--code-layout` (the
+    checkpoint's or the repacked one, repacked before the timing as a load would), and with `--triton` the
     Triton kernel (what the model takes below `mosaic_gpu.MIN_ROWS` rows). Each row has the bytes a kernel
     must move at least (the codes and scales of the experts with rows, the rows in and out) and their share of
     the copy bandwidth.
     Errors are against the reference."""
-    from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic
+    from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic, repack_codes
     from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
     from dsjax.kernels.expert_matmul.triton import expert_matmul_gpu
 
@@ -471,7 +472,10 @@ def bench_fp4_experts(args, cfg, bandwidth):
         n_bytes = int(np.count_nonzero(np.asarray(sizes))) * n_dim * (k_dim // 2 + k_dim // FP4_GROUP) \
             + m * (k_dim + n_dim) * 2
         tilings = list(itertools.product(args.block_m, args.features, args.words, args.stages,
-                                         [mode == "on" for mode in args.in_place]))
+                                         [mode == "on" for mode in args.in_place], args.code_layout))
+        code_sets = {"checkpoint": codes}
+        if "repacked" in args.code_layout:
+            code_sets["repacked"] = jax.jit(repack_codes)(codes)
         for choice in ([] if args.no_reference else [None]) + (["triton"] if args.triton else []) + tilings:
             if choice is None:
                 label = {"impl": "dequantize+grouped_dot"}
@@ -483,14 +487,15 @@ def bench_fp4_experts(args, cfg, bandwidth):
                     return expert_matmul_gpu(x, codes, scale, sizes, "fp4", interpret=args.interpret)
             else:
                 label = {"impl": "mosaic_fp4",
-                         **dict(zip(("block_m", "features", "words", "stages", "in_place"), choice))}
+                         **dict(zip(("block_m", "features", "words", "stages", "in_place", "code_layout"), choice))}
                 def kernel(codes, sizes, x, scale, choice=choice):
                     return expert_matmul_mosaic(x, codes, scale, sizes, block_m=choice[0], features=choice[1],
                                                 words=choice[2], stages=choice[3], in_place=choice[4],
-                                                interpret=args.interpret)
+                                                code_layout=choice[5], interpret=args.interpret)
+            its_codes = code_sets[choice[5]] if isinstance(choice, tuple) else codes
             try:
-                got = np.asarray(jax.jit(kernel)(codes, sizes, x, scale), np.float32)
-                t_kernel = timed(kernel, make_set, (codes, sizes), few=2, many=8, repeats=5)
+                got = np.asarray(jax.jit(kernel)(its_codes, sizes, x, scale), np.float32)
+                t_kernel = timed(kernel, make_set, (its_codes, sizes), few=2, many=8, repeats=5)
             except Exception as ex:  # e.g. widths the kernel does not tile: say so and go on
                 print(f"{name} {label}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                 continue
@@ -500,7 +505,7 @@ def bench_fp4_experts(args, cfg, bandwidth):
                               "TFLOPs": 2 * m * k_dim * n_dim / t_kernel / 1e12,
                               "rel_err": float(np.linalg.norm(got - want) / np.linalg.norm(want)),
                               "max_diff": float(np.max(np.abs(got - want)))}, bandwidth)
-        del codes, scale
+        del codes, scale, code_sets
     return rows
 
 
@@ -661,6 +666,8 @@ def main(argv=None) -> int:
     p.add_argument("--triton", action="store_true", help="fp4-experts: time the Triton kernel too")
     p.add_argument("--in-place", nargs="+", choices=("off", "on"), default=["off"],
                    help="fp4-experts: tiles' rows copied out first (off) or read where they lie (on)")
+    p.add_argument("--code-layout", nargs="+", choices=("checkpoint", "repacked"), default=["checkpoint"],
+                   help="fp4-experts: the FP4 codes in the checkpoint's order or repacked for the kernel")
     p.add_argument("--block-k-mm", dest="block_k_mm", type=int, nargs="+", default=[64, 128],
                    help="grouped-matmul: contraction per step")
     p.add_argument("--grid-tile-width", type=int, nargs="+", default=[1, 8], help="grouped-matmul")

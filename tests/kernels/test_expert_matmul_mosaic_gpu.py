@@ -10,7 +10,7 @@ import pytest
 from dsjax.export import abstract_device, disabled_checks
 from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.expert_matmul import mosaic_gpu
-from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic, input_order, renumbered
+from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic, input_order, renumbered, repack_codes
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
 from dsjax.stacked import StackedSlice
@@ -76,6 +76,50 @@ def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, 
                                in_place=in_place, interpret=True)[:sum(sizes)]
     close(got, expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
     close(got, expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)[:sum(sizes)])
+
+
+def test_repacked_codes_decode_to_the_checkpoints_fp16_pairs():
+    """Repacking keeps each word's eight codes: its decode gives the checkpoint order's fp16 pairs bit for
+    bit, for every code value alone at every position and for random words."""
+    alone = np.arange(16, dtype=np.uint32)[:, None] << (4 * np.arange(8, dtype=np.uint32))  # [value, position]
+    random = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint32)
+    words = jnp.asarray(np.concatenate([alone.reshape(-1), random]).view(np.int32))
+    as_bytes = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1, 64)
+    repacked = jax.lax.bitcast_convert_type(repack_codes(as_bytes).reshape(-1, 4), jnp.int32)
+    assert not np.array_equal(repacked, words)
+    for p, (want, got) in enumerate(zip(mosaic_gpu._pairs(words), mosaic_gpu._pairs(repacked, repacked=True))):
+        np.testing.assert_array_equal(got, want, err_msg=f"pair {p}")
+
+
+@pytest.mark.parametrize("sizes,extra,k,n,block_m,stacked", [
+    ([3, 0, 17, 1, 6], 4, 1024, 128, 16, False),  # decode tiles
+    ([40, 0, 9], 3, 1280, 64, 32, True),           # prefill tiles, one layer of a stack, padded scale rows
+])
+def test_repacked_codes_give_the_same_result_bit_for_bit(sizes, extra, k, n, block_m, stacked):
+    q, s = experts("fp4", len(sizes), n, k, seed=7)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    layer = ()
+    if stacked:
+        other_q, other_s = experts("fp4", len(sizes), n, k, seed=8)
+        q, s, layer = jnp.stack([other_q, q]), jnp.stack([other_s, s]), (jnp.int32(1),)
+    want = expert_matmul_mosaic(x, q, s, group_sizes, *layer, block_m=block_m, interpret=True)
+    got = expert_matmul_mosaic(x, repack_codes(q), s, group_sizes, *layer, block_m=block_m, code_layout="repacked",
+                               interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    close(got[:sum(sizes)], expert_matmul_reference(x, q[layer[0]] if stacked else q, s[layer[0]] if stacked else s,
+                                                    group_sizes, "fp4")[:sum(sizes)])
+
+
+def test_unknown_code_layouts_and_codes_that_are_not_whole_words_are_refused():
+    q, s = experts("fp4", 2, 64, 1024)
+    with pytest.raises(ValueError, match="code_layout must be one of .* got 'marlin'"):
+        expert_matmul_mosaic(jnp.ones((8, 1024), jnp.bfloat16), q, s, jnp.asarray([4, 4], jnp.int32),
+                             code_layout="marlin", interpret=True)
+    with pytest.raises(ValueError, match=r"multiple of 4 .* got uint8 \(2, 6\)"):
+        repack_codes(jnp.zeros((2, 6), jnp.uint8))
+    with pytest.raises(ValueError, match="bytes"):
+        repack_codes(jnp.zeros((2, 8), jnp.int32))
 
 
 @pytest.mark.parametrize("block_m", [4, 12, 264])
@@ -221,6 +265,21 @@ def test_native_kernel_matches_reference(k, block_m, in_place):
     x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
     close(expert_matmul_mosaic(x, q, s, sizes, block_m=block_m, in_place=in_place),
           expert_matmul_reference(x, q, s, sizes, "fp4"))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("k", [4096, 2048])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_native_kernel_on_repacked_codes_gives_the_same_result_bit_for_bit(k, block_m):
+    """Compiled, on V4-Flash's expert widths: the repacked decode's result equals the checkpoint order's."""
+    e, n = 16, 512
+    q, s = experts("fp4", e, n, k)
+    rng = np.random.default_rng(2)
+    sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
+    got = expert_matmul_mosaic(x, repack_codes(q), s, sizes, block_m=block_m, code_layout="repacked")
+    want = expert_matmul_mosaic(x, q, s, sizes, block_m=block_m)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

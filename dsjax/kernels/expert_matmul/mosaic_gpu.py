@@ -59,6 +59,15 @@ MIN_ROWS = 128  # below, the Triton kernel is faster (8 tokens × 6 experts: 0.3
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 _SIGNS = int(np.uint32(0x80008000).view(np.int32))  # the sign bits of two fp16s in one int32
+_MAGNITUDES = 0x0E000E00  # where an e2m1 magnitude sits in each of two fp16s (`e2m1 · 2^-14`)
+_SIGNED_MAGNITUDES = int(np.uint32(0x8E008E00).view(np.int32))  # both
+CODE_LAYOUTS = ("checkpoint", "repacked")
+# The repacked layout (`repack_codes`): in each int32 word, pair p's two magnitudes at bits
+# _REPACKED_MAGNITUDE[p] (and + 16), its two signs at _REPACKED_SIGN[p] (and + 16). Pairs 0 and 1 then
+# decode with one mask (after one shift), pairs 2 and 3 with two shifts and two masks: 6 logic operations
+# and 5 shifts a word, against 8, 1 and 7 for the checkpoint's order (docs/kernels.md).
+_REPACKED_MAGNITUDE = (9, 6, 3, 0)
+_REPACKED_SIGN = (15, 12, 13, 14)
 _INT_MIN = int(np.iinfo(np.int32).min)
 
 
@@ -110,12 +119,38 @@ def _as_fp16(words, interpret: bool):
     return reinterpret(words)
 
 
-def _pairs(words):
-    """Four int32 arrays: codes p and p+4 of each word as two fp16 `e2m1 · 2^-14` (bit moves only)."""
+def repack_codes(w: jax.Array) -> jax.Array:
+    """FP4 codes as checkpoints hold them (`[…, K/2]` bytes, code 2i in byte i's low nibble, sign on top)
+    → the same shape and dtype in the layout `expert_matmul_mosaic(…, code_layout="repacked")` reads:
+    each int32 word keeps its eight codes, their bits moved so that the kernel decodes them in fewer
+    operations (`_REPACKED_MAGNITUDE`, `_REPACKED_SIGN`). Meant to run once, when the weights load."""
+    if w.shape[-1] % 4 or jnp.dtype(w.dtype).itemsize != 1:
+        raise ValueError(f"repack_codes: FP4 codes are bytes whose last axis is a multiple of 4 (whole int32 "
+                         f"words), got {w.dtype} {w.shape}")
+    words = lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
+    out = jnp.zeros_like(words)
+    for p, (magnitude, sign) in enumerate(zip(_REPACKED_MAGNITUDE, _REPACKED_SIGN)):
+        # codes p and p + 4 together: the same move in both halves of the word
+        out |= ((words >> (4 * p)) & 0x00070007) << magnitude
+        out |= ((words >> (4 * p + 3)) & 0x00010001) << sign
+    return lax.bitcast_convert_type(out, w.dtype).reshape(w.shape)
+
+
+def _pairs(words, repacked: bool = False):
+    """Four int32 arrays: codes p and p+4 of each word as two fp16 `e2m1 · 2^-14` (bit moves only), from
+    the checkpoint's order or the repacked one (`repack_codes`)."""
     out = []
     for p in range(4):
+        if repacked:
+            to_magnitude, to_sign = 9 - _REPACKED_MAGNITUDE[p], 15 - _REPACKED_SIGN[p]
+            if to_magnitude == to_sign:  # one shift aligns sign and magnitude: one mask
+                moved = words << to_magnitude if to_magnitude else words
+                out.append(moved & _SIGNED_MAGNITUDES)
+            else:
+                out.append(((words << to_magnitude) & _MAGNITUDES) | ((words << to_sign) & _SIGNS))
+            continue
         magnitudes = (words << (9 - 4 * p)) if p < 3 else lax.shift_right_logical(words, 3)
-        out.append((magnitudes & 0x0E000E00) | ((words << (12 - 4 * p)) & _SIGNS))
+        out.append((magnitudes & _MAGNITUDES) | ((words << (12 - 4 * p)) & _SIGNS))
     return out
 
 
@@ -133,7 +168,7 @@ def _tiled(columns: int, itemsize: int) -> tuple:
 
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
-          window: int, features: int, words: int, stages: int, in_place: bool, interpret: bool):
+          window: int, features: int, words: int, stages: int, in_place: bool, repacked: bool, interpret: bool):
     """One program: `window` rows (the tile's, or in place the `block_m + 8` from a multiple of 8) of one
     expert against `features` of its outputs."""
     t, nb = lax.axis_index("t"), lax.axis_index("n")
@@ -168,7 +203,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
             # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
             biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, words), (0,)) + 30, 0, 31) << 10
             relative = _as_fp16(biased | (biased << 16), interpret)
-            for p, pair in enumerate(_pairs(codes)):
+            for p, pair in enumerate(_pairs(codes, repacked)):
                 a = _as_fp16(pair, interpret) * relative
                 if interpret:  # the interpreter takes wgmma's A from shared memory only
                     a_smem[0][...] = a
@@ -199,11 +234,12 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "features", "words", "stages", "in_place", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "features", "words", "stages", "in_place", "code_layout",
+                                             "interpret"))
 def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
                          layer: jax.Array | None = None, *, block_m: int = BLOCK_M, features: int = FEATURES,
                          words: int = WORDS, stages: int = STAGES, in_place: bool = False,
-                         interpret: bool = False) -> jax.Array:
+                         code_layout: str = "checkpoint", interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, "fp4")` as a Mosaic GPU
     kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`) and
     the kernel reads entry `layer` where it lies. `block_m` rows of one expert per program (wgmma's N):
@@ -213,7 +249,8 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     rows where they lie in the sorted activations, `block_m + 8` of them from the multiple of 8 at or
     before its first row (TMA's alignment), and keeps the `block_m` that are its own, instead of reading a
     copy of them made beforehand; off by default, as on the H200 it was slower for gate_up at every
-    tiling measured (docs/kernels.md). Raises
+    tiling measured (docs/kernels.md). `code_layout`: "checkpoint" for `w_enk` as checkpoints hold
+    it, "repacked" for `repack_codes(w_enk)` (fewer decode operations; same result bit for bit). Raises
     CannotTile for what it does not take: non-bf16 activations, float scales, widths that do not tile
     (K a multiple of 256, N of 64)."""
     p, k = x_pk.shape
@@ -229,6 +266,8 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
         raise ValueError(f"expert_matmul_mosaic: words must be 16, 32 or 64, got {words}")
     if stages < 1:
         raise ValueError(f"expert_matmul_mosaic: stages must be at least 1, got {stages}")
+    if code_layout not in CODE_LAYOUTS:
+        raise ValueError(f"expert_matmul_mosaic: code_layout must be one of {CODE_LAYOUTS}, got {code_layout!r}")
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_mosaic")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:
@@ -277,7 +316,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
         _body(*refs, n_k=k // (8 * words), window=window, features=features, words=words, stages=stages,
-              in_place=in_place, interpret=interpret)
+              in_place=in_place, repacked=code_layout == "repacked", interpret=interpret)
 
     kernel = plgpu.kernel(
         dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, window), jnp.float32),
