@@ -45,9 +45,11 @@ def test_runs_and_resumes(tmp_path, capsys):
     assert third.count("per device] already in") == 2
     assert (work / "rows.jsonl").read_text().splitlines() == lines
     assert third.splitlines()[-3:] == first.splitlines()[-2:] + second.splitlines()[-1:]  # the table, as measured
-    assert multigpu.main([str(work), "--per-device", "1", *ARGS, "--gen-len", "4"]) == 0  # other settings
+    # Other settings are measured anew. These keep the slots' length (13 + 2 = 12 + 3 tokens), so the
+    # engine loads the first run's programs from the program store instead of compiling its own.
+    assert multigpu.main([str(work), "--per-device", "1", *ARGS, "--prompt-len", "13", "--gen-len", "2"]) == 0
     last = (work / "rows.jsonl").read_text().splitlines()
-    assert last[:-1] == lines and json.loads(last[-1])["gen_len"] == 4
+    assert last[:-1] == lines and (json.loads(last[-1])["prompt_len"], json.loads(last[-1])["gen_len"]) == (13, 2)
 
     # The token check: the mesh's greedy tokens are one device's (float32, as on the CPU mesh tests).
     check = ["--check-sequences", "8", "--check-prompt-len", "5", "--check-gen-len", "6", "--check-dtype", "float32"]
