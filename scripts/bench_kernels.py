@@ -15,6 +15,7 @@ overhead cancel; host jitter only adds time, so the fastest call is kept). For s
     python scripts/bench_kernels.py prefill-attention --context 1048576 --chunk 2048 --block-h 32 64
     python scripts/bench_kernels.py grouped-matmul --tokens 65536 --block-m 64 128 --block-n 64 128
     python scripts/bench_kernels.py fp4-experts --preset v4.1-flash --tokens 8192 --block-m 16 64 128
+    python scripts/bench_kernels.py fp8-experts --tokens 32 128 --block-m 16 --triton --no-reference
     dsjax export --preset tiny-kernels --platform cuda --weights bf16 --out build/export-cuda   # (on CPU)
     python scripts/bench_kernels.py export --artifact build/export-cuda
     ncu --clock-control none --kernel-name regex:dsjax --metrics gpu__time_duration.sum --csv \
@@ -436,15 +437,16 @@ def bench_grouped_matmul(args, cfg, bandwidth):
     return rows
 
 
-def bench_fp4_experts(args, cfg, bandwidth):
+def bench_fp4_experts(args, cfg, bandwidth, storage: str = "fp4"):
     """The MoE's two grouped matmuls over FP4 experts (random e2m1 codes, ue8m0 scales spread over 2^10,
-    new scales for each input set),
+    new scales for each input set), or with `fp8-experts` over FP8 ones (random e4m3 codes but NaN, a scale
+    per 128 × 128 block),
     `--tokens` tokens routed uniformly at random: the reference as the model runs it for many rows per
     expert (every expert dequantized to bf16, then the tuned grouped matmul) against the Mosaic GPU FP4
     kernel with each `--block-m` (rows of one expert per program), `--features` (outputs per program),
     `--words` (code words per step), `--stages` (steps in flight), `--in-place` and `--code-layout` (the
     checkpoint's or the repacked one, repacked before the timing as a load would), and with `--triton` the
-    Triton kernel (what the model takes below `mosaic_gpu.MIN_ROWS` rows). Each row has the bytes a kernel
+    Triton kernel (what the model takes below `mosaic_gpu.MIN_ROWS` rows, and for FP8). Each row has the bytes a kernel
     must move at least (the codes and scales of the experts with rows, the rows in and out) and their share of
     the copy bandwidth.
     Errors are against the reference."""
@@ -457,39 +459,49 @@ def bench_fp4_experts(args, cfg, bandwidth):
     for tokens, (name, k_dim, n_dim) in itertools.product(args.tokens, (("gate_up", h, 2 * inter), ("down", inter, h))):
         m = tokens * k
         k0, k2 = jax.random.split(jax.random.key(tokens))
-        codes = jax.lax.bitcast_convert_type(jax.random.bits(k0, (e, n_dim, k_dim // 8), jnp.uint32), jnp.int8)
-        codes = codes.reshape(e, n_dim, k_dim // 2)
+        per_byte = 2 if storage == "fp4" else 1  # codes per byte
+        codes = jax.lax.bitcast_convert_type(jax.random.bits(k0, (e, n_dim, k_dim // per_byte // 4), jnp.uint32),
+                                             jnp.uint8).reshape(e, n_dim, k_dim // per_byte)
+        if storage == "fp8":  # e4m3fn's NaN (S.1111.111) one step down
+            codes = jax.lax.bitcast_convert_type(jnp.where(codes & 0x7F == 0x7F, codes - 1, codes), jnp.float8_e4m3fn)
+        else:
+            codes = jax.lax.bitcast_convert_type(codes, jnp.int8)
+        scale_shape = ((e, n_dim, k_dim // FP4_GROUP) if storage == "fp4"
+                       else (e, -(-n_dim // 128), k_dim // 128))
         sizes = jnp.bincount(jax.random.randint(k2, (m,), 0, e), length=e).astype(jnp.int32)
 
-        def make_set(i, m=m, k_dim=k_dim, n_dim=n_dim):  # scales too, so no set's dequantization is shared
+        def make_set(i, m=m, k_dim=k_dim, scale_shape=scale_shape):  # scales too: no dequantization is shared
             x = jax.random.normal(jax.random.key(100 + i), (m, k_dim), jnp.bfloat16)
-            scale = jax.random.randint(jax.random.key(200 + i), (e, n_dim, k_dim // FP4_GROUP), 119, 129)
+            scale = jax.random.randint(jax.random.key(200 + i), scale_shape, 119, 129)
             return x, scale.astype(jnp.uint8)
 
         x, scale = make_set(0)
-        want = np.asarray(jax.jit(expert_matmul_reference, static_argnums=4)(x, codes, scale, sizes, "fp4"), np.float32)
+        want = np.asarray(jax.jit(expert_matmul_reference, static_argnums=4)(x, codes, scale, sizes, storage),
+                          np.float32)
         # What a kernel must move at least: the codes and scales of the experts with rows, the rows in and out.
-        n_bytes = int(np.count_nonzero(np.asarray(sizes))) * n_dim * (k_dim // 2 + k_dim // FP4_GROUP) \
-            + m * (k_dim + n_dim) * 2
+        per_expert = n_dim * (k_dim // 2 + k_dim // FP4_GROUP) if storage == "fp4" else codes[0].size + scale[0].size
+        n_bytes = int(np.count_nonzero(np.asarray(sizes))) * per_expert + m * (k_dim + n_dim) * 2
         tilings = list(itertools.product(args.block_m, args.features, args.words, args.stages,
-                                         [mode == "on" for mode in args.in_place], args.code_layout))
+                                         [mode == "on" for mode in args.in_place],
+                                         args.code_layout if storage == "fp4" else ["checkpoint"]))
         code_sets = {"checkpoint": codes}
-        if "repacked" in args.code_layout:
+        if "repacked" in args.code_layout and storage == "fp4":
             code_sets["repacked"] = jax.jit(repack_codes)(codes)
         for choice in ([] if args.no_reference else [None]) + (["triton"] if args.triton else []) + tilings:
             if choice is None:
                 label = {"impl": "dequantize+grouped_dot"}
                 def kernel(codes, sizes, x, scale):
-                    return expert_matmul_reference(x, codes, scale, sizes, "fp4")
+                    return expert_matmul_reference(x, codes, scale, sizes, storage)
             elif choice == "triton":
-                label = {"impl": "triton_fp4"}
+                label = {"impl": f"triton_{storage}"}
                 def kernel(codes, sizes, x, scale):
-                    return expert_matmul_gpu(x, codes, scale, sizes, "fp4", interpret=args.interpret)
+                    return expert_matmul_gpu(x, codes, scale, sizes, storage, interpret=args.interpret)
             else:
-                label = {"impl": "mosaic_fp4",
+                label = {"impl": f"mosaic_{storage}",
                          **dict(zip(("block_m", "features", "words", "stages", "in_place", "code_layout"), choice))}
                 def kernel(codes, sizes, x, scale, choice=choice):
-                    return expert_matmul_mosaic(x, codes, scale, sizes, block_m=choice[0], features=choice[1],
+                    return expert_matmul_mosaic(x, codes, scale, sizes, storage=storage, block_m=choice[0],
+                                                features=choice[1],
                                                 words=choice[2], stages=choice[3], in_place=choice[4],
                                                 code_layout=choice[5], interpret=args.interpret)
             its_codes = code_sets[choice[5]] if isinstance(choice, tuple) else codes
@@ -499,7 +511,7 @@ def bench_fp4_experts(args, cfg, bandwidth):
             except Exception as ex:  # e.g. widths the kernel does not tile: say so and go on
                 print(f"{name} {label}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                 continue
-            emit(args, rows, {"op": "fp4_experts", "matmul": name, "tokens": tokens, "rows": m, **label,
+            emit(args, rows, {"op": f"{storage}_experts", "matmul": name, "tokens": tokens, "rows": m, **label,
                               "kernel_ms": t_kernel * 1e3, "MB": n_bytes / 1e6, "GBps": n_bytes / t_kernel / 1e9,
                               "of_copy": n_bytes / t_kernel / bandwidth,
                               "TFLOPs": 2 * m * k_dim * n_dim / t_kernel / 1e12,
@@ -631,7 +643,7 @@ def read_ncu(args, cfg, bandwidth):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=("attention", "tune", "indexer", "prefill-indexer", "prefill-attention",
-                                      "grouped-matmul", "fp4-experts", "export",
+                                      "grouped-matmul", "fp4-experts", "fp8-experts", "export",
                                       "variants", "ncu"))
     p.add_argument("--variant", nargs="+", default=[], help="variants: JSON kernel specs, e.g. "
                    '\'{"op": "attention", "kv": "fp8", "batch": 64, "context": 131072, "block_h": 32}\'')
@@ -658,14 +670,14 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=int, help="prefill-indexer: tokens per index key (default: the preset's CSA rate)")
     p.add_argument("--tokens", type=int, nargs="+", default=[65536], help="grouped-matmul: tokens routed")
     p.add_argument("--block-m", type=int, nargs="+", default=[64, 128],
-                   help="grouped-matmul, fp4-experts: rows per tile")
+                   help="grouped-matmul, fp4-experts, fp8-experts: rows per tile")
     p.add_argument("--block-n", type=int, nargs="+", default=[64, 128], help="grouped-matmul: columns per tile")
-    p.add_argument("--features", type=int, nargs="+", default=[64], help="fp4-experts: outputs per program")
-    p.add_argument("--words", type=int, nargs="+", default=[32], help="fp4-experts: int32 code words per step")
-    p.add_argument("--stages", type=int, nargs="+", default=[2], help="fp4-experts: steps in flight")
-    p.add_argument("--triton", action="store_true", help="fp4-experts: time the Triton kernel too")
+    p.add_argument("--features", type=int, nargs="+", default=[64], help="fp4-experts, fp8-experts: outputs per program")
+    p.add_argument("--words", type=int, nargs="+", default=[32], help="fp4-experts, fp8-experts: int32 code words per step")
+    p.add_argument("--stages", type=int, nargs="+", default=[2], help="fp4-experts, fp8-experts: steps in flight")
+    p.add_argument("--triton", action="store_true", help="fp4-experts, fp8-experts: time the Triton kernel too")
     p.add_argument("--in-place", nargs="+", choices=("off", "on"), default=["off"],
-                   help="fp4-experts: tiles' rows copied out first (off) or read where they lie (on)")
+                   help="fp4-experts, fp8-experts: tiles' rows copied out first (off) or read where they lie (on)")
     p.add_argument("--code-layout", nargs="+", choices=("checkpoint", "repacked"), default=["checkpoint"],
                    help="fp4-experts: the FP4 codes in the checkpoint's order or repacked for the kernel")
     p.add_argument("--block-k-mm", dest="block_k_mm", type=int, nargs="+", default=[64, 128],
@@ -692,6 +704,7 @@ def main(argv=None) -> int:
     rows = {"attention": bench_attention, "tune": bench_tune, "indexer": bench_indexer,
             "prefill-indexer": bench_prefill_indexer, "prefill-attention": bench_prefill_attention,
             "grouped-matmul": bench_grouped_matmul, "fp4-experts": bench_fp4_experts,
+            "fp8-experts": functools.partial(bench_fp4_experts, storage="fp8"),
             "export": bench_export, "variants": run_variants,
             "ncu": read_ncu}[args.what](args, cfg, bandwidth)
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "op"))

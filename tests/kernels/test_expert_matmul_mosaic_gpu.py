@@ -25,15 +25,16 @@ def close(got, want):
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
 
 
-def test_input_order_renumbers_every_input_once_per_pair():
-    order = input_order(2048)
-    assert order.shape == (4, 512)
+@pytest.mark.parametrize("storage,pairs", [("fp4", 4), ("fp8", 2)])
+def test_input_order_renumbers_every_input_once_per_pair(storage, pairs):
+    order = input_order(2048, storage)
+    assert order.shape == (pairs, 2048 // pairs)
     np.testing.assert_array_equal(np.sort(order.reshape(-1)), np.arange(2048))
-    # pair p holds codes p and p + 4 of each word: inputs 8j + p and 8j + p + 4
-    for p in range(4):
-        assert set(np.unique(order[p] % 8)) == {p, p + 4}
+    # pair p holds codes p and p + pairs of each word: inputs w·j + p and w·j + p + pairs (w codes a word)
+    for p in range(pairs):
+        assert set(np.unique(order[p] % (2 * pairs))) == {p, p + pairs}
     x = jnp.arange(3 * 2048, dtype=jnp.int32).reshape(3, 2048)
-    np.testing.assert_array_equal(renumbered(x), np.moveaxis(np.asarray(x)[:, order], 1, 0))
+    np.testing.assert_array_equal(renumbered(x, storage), np.moveaxis(np.asarray(x)[:, order], 1, 0))
 
 
 @pytest.mark.parametrize("sizes,extra,k,n", [
@@ -76,6 +77,66 @@ def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, 
                                in_place=in_place, interpret=True)[:sum(sizes)]
     close(got, expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
     close(got, expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)[:sum(sizes)])
+
+
+@pytest.mark.parametrize("sizes,extra,k,n,options", [
+    ([3, 0, 17, 1, 6], 3, 1024, 192, dict(words=16)),        # two 128-blocks of outputs, the second partial
+    ([40, 0, 9], 3, 640, 64, dict(block_m=32, in_place=True)),  # prefill tiles read in place
+    ([1, 1, 1, 1, 1], 3, 384, 128, dict(features=128)),       # one-row groups, 128 features a program
+])
+def test_fp8_experts_match_reference(sizes, extra, k, n, options):
+    """FP8 experts (e4m3, a ue8m0 scale per 128 × 128 block spread over 2^13) through the same kernel."""
+    q, s = experts("fp8", len(sizes), n, k, seed=2)
+    x = jnp.asarray(np.random.default_rng(extra).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = expert_matmul_mosaic(x, q, s, group_sizes, storage="fp8", interpret=True, **options)
+    assert got.shape == (sum(sizes) + extra, n) and got.dtype == jnp.bfloat16
+    close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp8")[:sum(sizes)])
+
+
+def test_fp8_experts_of_a_stacked_layer_equal_the_layer_cut_out():
+    layers = [experts("fp8", 3, 128, 512, seed=s) for s in range(2)]
+    q, s = jnp.stack([w for w, _ in layers]), jnp.stack([sc for _, sc in layers])
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((12, 512)), jnp.bfloat16)
+    sizes = jnp.asarray([5, 0, 6], jnp.int32)
+    got = expert_matmul_mosaic(x, q, s, sizes, jnp.int32(1), storage="fp8", interpret=True)
+    alone = expert_matmul_mosaic(x, q[1], s[1], sizes, storage="fp8", interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alone, np.float32))
+    close(got[:11], expert_matmul_reference(x, q[1], s[1], sizes, "fp8")[:11])
+
+
+def test_fp8_block_scales_relative_to_the_rows_largest_are_exact_down_to_2_pow_minus_22():
+    """Each row of 128-blocks is scaled in fp16 relative to its largest block: e4m3's smallest subnormal
+    (2^-9) in a block 2^22 below the largest is still exact; 2^30 below, the block reads as zero."""
+    n, k = 64, 512
+    q = np.zeros((1, n, k), np.float32)
+    q[:, :, [0, 128, 256, 384]] = [448.0, 2.0 ** -9, 2.0 ** -9, 1.0]
+    scale = np.asarray([[[127 + 10, 127 - 12, 127 - 20, 127]]], np.uint8)  # 2^10, 2^-12 (22 below), 2^-20
+    codes = jnp.asarray(q, jnp.float8_e4m3fn)
+    sizes = jnp.asarray([1], jnp.int32)
+    for column, want in ((0, 448.0 * 2.0 ** 10), (128, 2.0 ** -21), (256, 0.0), (384, 1.0)):
+        x = jnp.zeros((1, k), jnp.bfloat16).at[0, column].set(1)
+        got = expert_matmul_mosaic(x, codes, jnp.asarray(scale), sizes, storage="fp8", interpret=True)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.full((1, n), want, np.float32))
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(storage="fp6"), "storage must be 'fp4' or 'fp8', got 'fp6'"),
+    (dict(storage="fp8", words=64), "FP8: 16 or 32, a step within one 128-block"),
+    (dict(storage="fp8", code_layout="repacked"), "code_layout 'repacked' is for FP4 codes"),
+])
+def test_fp8_options_it_does_not_take_are_refused(options, message):
+    q, s = experts("fp8", 2, 64, 512)
+    with pytest.raises(ValueError, match=message):
+        expert_matmul_mosaic(jnp.ones((8, 512), jnp.bfloat16), q, s, jnp.asarray([4, 4], jnp.int32), **options,
+                             interpret=True)
+
+
+def test_fp8_experts_with_fp4_scales_do_not_tile():
+    q, _ = experts("fp8", 2, 64, 512)
+    with pytest.raises(CannotTile, match=r"FP8 experts float8_e4m3fn \(2, 64, 512\) with scales \(2, 64, 16\)"):
+        expert_matmul_mosaic(jnp.ones((8, 512), jnp.bfloat16), q, jnp.zeros((2, 64, 16), jnp.uint8),
+                             jnp.asarray([4, 4], jnp.int32), storage="fp8", interpret=True)
 
 
 def test_repacked_codes_decode_to_the_checkpoints_fp16_pairs():
@@ -265,6 +326,20 @@ def test_native_kernel_matches_reference(k, block_m, in_place):
     x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
     close(expert_matmul_mosaic(x, q, s, sizes, block_m=block_m, in_place=in_place),
           expert_matmul_reference(x, q, s, sizes, "fp4"))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("k", [4096, 2048])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_native_kernel_on_fp8_experts_matches_reference(k, block_m):
+    """Compiled, FP8 experts at V4-Flash's expert widths: the scalar scale read and the e4m3 decode."""
+    e, n = 16, 512
+    q, s = experts("fp8", e, n, k)
+    rng = np.random.default_rng(3)
+    sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
+    close(expert_matmul_mosaic(x, q, s, sizes, storage="fp8", block_m=block_m),
+          expert_matmul_reference(x, q, s, sizes, "fp8"))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

@@ -61,6 +61,8 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)
 _SIGNS = int(np.uint32(0x80008000).view(np.int32))  # the sign bits of two fp16s in one int32
 _MAGNITUDES = 0x0E000E00  # where an e2m1 magnitude sits in each of two fp16s (`e2m1 · 2^-14`)
 _SIGNED_MAGNITUDES = int(np.uint32(0x8E008E00).view(np.int32))  # both
+_E4M3_MAGNITUDES = 0x3F803F80  # where an e4m3's exponent and mantissa sit in each of two fp16s (`e4m3 · 2^-8`)
+_FP8_BLOCK = 128  # FP8 experts' scale blocks: 128 outputs × 128 inputs
 CODE_LAYOUTS = ("checkpoint", "repacked")
 # The repacked layout (`repack_codes`): in each int32 word, pair p's two magnitudes at bits
 # _REPACKED_MAGNITUDE[p] (and + 16), its two signs at _REPACKED_SIGN[p] (and + 16). Pairs 0 and 1 then
@@ -71,22 +73,32 @@ _REPACKED_SIGN = (15, 12, 13, 14)
 _INT_MIN = int(np.iinfo(np.int32).min)
 
 
-def input_order(k: int) -> np.ndarray:
-    """`[4, K/4]`: for pair p and fp16 column c of its A fragments, the input that column multiplies."""
-    c = np.arange(k // 4)
+def _pairs_per_word(storage: str) -> int:
+    """fp16 pairs one int32 code word makes: eight e2m1 codes, or four e4m3."""
+    return 4 if storage == "fp4" else 2
+
+
+def input_order(k: int, storage: str = "fp4") -> np.ndarray:
+    """`[pairs, K/pairs]`: for pair p and fp16 column c of its A fragments, the input that column
+    multiplies (pairs: 4 for FP4, 2 for FP8)."""
+    pairs = _pairs_per_word(storage)
+    c = np.arange(k // pairs)
     b, rest = np.divmod(c, 16)
     s, rest = np.divmod(rest, 8)
     t, h = np.divmod(rest, 2)
     word = 8 * b + 2 * t + s
-    return np.stack([8 * word + p + 4 * h for p in range(4)])
+    return np.stack([2 * pairs * word + p + pairs * h for p in range(pairs)])
 
 
-def renumbered(x_pk: jax.Array) -> jax.Array:
-    """`[P, K]` → `[4, P, K/4]`: `x[:, input_order(K)]` with the pairs first, as a transpose (within each
-    64 inputs, input `16t + 8s + 4h + p` goes to pair p, column `8s + 2t + h`): XLA moves it at copy
-    speed, where the same permutation as a gather is an element-wise one."""
+def renumbered(x_pk: jax.Array, storage: str = "fp4") -> jax.Array:
+    """`[P, K]` → `[pairs, P, K/pairs]`: `x[:, input_order(K, storage)]` with the pairs first, as a
+    transpose (FP4: within each 64 inputs, input `16t + 8s + 4h + p` goes to pair p, column
+    `8s + 2t + h`; FP8 likewise within 32 with `8t + 4s + 2h + p`): XLA moves it at copy speed, where
+    the same permutation as a gather is an element-wise one."""
     p, k = x_pk.shape
-    return jnp.transpose(x_pk.reshape(p, k // 64, 4, 2, 2, 4), (5, 0, 1, 3, 2, 4)).reshape(4, p, k // 4)
+    pairs = _pairs_per_word(storage)
+    x = x_pk.reshape(p, k // (16 * pairs), 4, 2, 2, pairs)
+    return jnp.transpose(x, (5, 0, 1, 3, 2, 4)).reshape(pairs, p, k // pairs)
 
 
 def tile_rows(rows: int, experts: int) -> int:
@@ -154,6 +166,15 @@ def _pairs(words, repacked: bool = False):
     return out
 
 
+def _e4m3_pairs(words):
+    """Two int32 arrays: bytes 0 and 2, then 1 and 3, of each word of four e4m3 codes as two fp16
+    `e4m3 · 2^-8` (bit moves only: the four exponent and three mantissa bits land at the bottom of
+    fp16's, so subnormals land on subnormals)."""
+    low = ((words << 8) & _SIGNS) | ((words << 7) & _E4M3_MAGNITUDES)
+    high = (words & _SIGNS) | (lax.shift_right_logical(words, 1) & _E4M3_MAGNITUDES)
+    return [low, high]
+
+
 def _column(block, c):
     """Column c (a traced index) of an int32 `[64, 8]` block, as one value per row."""
     col = plgpu.broadcasted_iota(jnp.int32, block.shape, 1, layout=_WGMMA)
@@ -168,7 +189,8 @@ def _tiled(columns: int, itemsize: int) -> tuple:
 
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
-          window: int, features: int, words: int, stages: int, in_place: bool, repacked: bool, interpret: bool):
+          window: int, features: int, words: int, stages: int, in_place: bool, repacked: bool, storage: str,
+          interpret: bool):
     """One program: `window` rows (the tile's, or in place the `block_m + 8` from a multiple of 8) of one
     expert against `features` of its outputs."""
     t, nb = lax.axis_index("t"), lax.axis_index("n")
@@ -176,34 +198,47 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
     plgpu.barrier_wait(bar)
     g, row0, rows, g_scale = tiles_smem[0, 0], tiles_smem[0, 1], tiles_smem[0, 2], tiles_smem[0, 3]
     n0 = pl.multiple_of(nb * features, features)
+    pairs = _pairs_per_word(storage)
     if in_place:  # the tile's rows where they lie, from the multiple of 8 at or before its first
-        x_rows = [x_ref.at[p, pl.ds(pl.multiple_of(row0 - lax.rem(row0, 8), 8), window)] for p in range(4)]
+        x_rows = [x_ref.at[p, pl.ds(pl.multiple_of(row0 - lax.rem(row0, 8), 8), window)] for p in range(pairs)]
     else:  # the tile's own copy
-        x_rows = [x_ref.at[p, t] for p in range(4)]
+        x_rows = [x_ref.at[p, t] for p in range(pairs)]
 
     @pl.when(rows > 0)
     def _():
-        plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0, features)], s_smem, bar)  # [64, K/128] scale words
-        plgpu.barrier_wait(bar)
-        everything = plgpu.load(s_smem, layout=_WGMMA, optimized=False)
-        top = functools.reduce(jnp.maximum, [lax.shift_right_logical(everything, 8 * q) & 0xFF for q in range(4)])
-        top = jnp.max(top, axis=1)  # each row's largest ue8m0 exponent
         j = plgpu.broadcasted_iota(jnp.int32, (features, words), 1, layout=_WGMMA)
-        per_step = words // 16  # scale words per step: four groups of four code words each
+        if storage == "fp8":
+            # The program's one row of 128-blocks (`_fp8_scale_rows`): each step's scale as fp16 bits, then
+            # the row's largest exponent.
+            plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0 // _FP8_BLOCK, 1)], s_smem, bar)
+            plgpu.barrier_wait(bar)
+            top = s_smem[0, n_k * words // 32]
+        else:
+            plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0, features)], s_smem, bar)  # [64, K/128] scale words
+            plgpu.barrier_wait(bar)
+            everything = plgpu.load(s_smem, layout=_WGMMA, optimized=False)
+            top = functools.reduce(jnp.maximum, [lax.shift_right_logical(everything, 8 * q) & 0xFF for q in range(4)])
+            top = jnp.max(top, axis=1)  # each row's largest ue8m0 exponent
+        per_step = words // 16  # FP4 scale words per step: four groups of four code words each
 
         def step(idx, codes_smem, *x_smem):
             (kb,) = idx
             codes = plgpu.load(codes_smem, layout=_WGMMA)  # [64, words] int32
-            c8 = pl.multiple_of(kb * per_step // 8 * 8, 8)
-            block = plgpu.load(s_smem.at[:, pl.ds(c8, 8)], layout=_WGMMA, optimized=False)
-            group = jnp.zeros((features, words), jnp.int32)
-            for i in range(per_step):  # word j's group: byte (j // 4) % 4 of scale word j // 16
-                sw = lax.broadcast_in_dim(_column(block, kb * per_step + i - c8), (features, words), (0,))
-                group = jnp.where(j // 16 == i, lax.shift_right_logical(sw, 8 * ((j // 4) % 4)) & 0xFF, group)
-            # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
-            biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, words), (0,)) + 30, 0, 31) << 10
-            relative = _as_fp16(biased | (biased << 16), interpret)
-            for p, pair in enumerate(_pairs(codes, repacked)):
+            if storage == "fp8":  # one 128-block per step or two: the same scale for the whole step
+                relative = _as_fp16((j & 0) | s_smem[0, kb * words // 32], interpret)
+                decoded = _e4m3_pairs(codes)
+            else:
+                c8 = pl.multiple_of(kb * per_step // 8 * 8, 8)
+                block = plgpu.load(s_smem.at[:, pl.ds(c8, 8)], layout=_WGMMA, optimized=False)
+                group = jnp.zeros((features, words), jnp.int32)
+                for i in range(per_step):  # word j's group: byte (j // 4) % 4 of scale word j // 16
+                    sw = lax.broadcast_in_dim(_column(block, kb * per_step + i - c8), (features, words), (0,))
+                    group = jnp.where(j // 16 == i, lax.shift_right_logical(sw, 8 * ((j // 4) % 4)) & 0xFF, group)
+                # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
+                biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, words), (0,)) + 30, 0, 31) << 10
+                relative = _as_fp16(biased | (biased << 16), interpret)
+                decoded = _pairs(codes, repacked)
+            for p, pair in enumerate(decoded):
                 a = _as_fp16(pair, interpret) * relative
                 if interpret:  # the interpreter takes wgmma's A from shared memory only
                     a_smem[0][...] = a
@@ -219,7 +254,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
                 step, grid=(n_k,),
                 in_specs=[
                     plgpu.BlockSpec((features, words), lambda kb: (0, kb), transforms=_tiled(words, 4)),
-                    *[plgpu.BlockSpec((window, 2 * words), lambda kb: (0, kb), transforms=_tiled(2 * words, 2))] * 4,
+                    *[plgpu.BlockSpec((window, 2 * words), lambda kb: (0, kb), transforms=_tiled(2 * words, 2))] * pairs,
                 ],
                 max_concurrent_steps=stages,
             )(w_ref.at[g, pl.ds(n0, features)], *x_rows)
@@ -227,33 +262,53 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
 
         acc_ref = None
         acc = pl.run_scoped(pipelined, plgpu.ACC((features, window), jnp.float32))
-        acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
+        if storage == "fp8":  # e4m3 · 2^-8 · 2^(s − s_max + 15) · 2^(s_max − 127) · 2^-7 = e4m3 · 2^(s − 127)
+            acc = acc * (pow2(top - 127) * 2.0 ** -7)
+        else:  # e2m1 · 2^-14 · 2^(s − s_max + 15) · 2^(s_max − 128) = e2m1 · 2^(s − 127)
+            acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
         out_smem[...] = acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[t, pl.ds(n0, features)])
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "features", "words", "stages", "in_place", "code_layout",
-                                             "interpret"))
+def _fp8_scale_rows(scale_ebk: jax.Array) -> jax.Array:
+    """FP8 experts' ue8m0 block scales `[E, ⌈N/128⌉, K/128]` → int32 `[E, ⌈N/128⌉, C]`, a row per 128
+    outputs as the kernel reads it: each block's `2^(s − s_max + 15)` as fp16 bits twice (0 below 2^-14;
+    `s_max` the row's largest), then `s_max`, then zeros to whole 16-byte TMA units."""
+    s = lax.bitcast_convert_type(scale_ebk, jnp.uint8).astype(jnp.int32)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    biased = jnp.clip(s - top + 30, 0, 31) << 10
+    rows = jnp.concatenate([biased | (biased << 16), top], axis=-1)
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, -rows.shape[-1] % 4)))
+
+
+@functools.partial(jax.jit, static_argnames=("storage", "block_m", "features", "words", "stages", "in_place",
+                                             "code_layout", "interpret"))
 def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
-                         layer: jax.Array | None = None, *, block_m: int = BLOCK_M, features: int = FEATURES,
-                         words: int = WORDS, stages: int = STAGES, in_place: bool = False,
+                         layer: jax.Array | None = None, *, storage: str = "fp4", block_m: int = BLOCK_M,
+                         features: int = FEATURES, words: int = WORDS, stages: int = STAGES, in_place: bool = False,
                          code_layout: str = "checkpoint", interpret: bool = False) -> jax.Array:
-    """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, "fp4")` as a Mosaic GPU
-    kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`) and
-    the kernel reads entry `layer` where it lies. `block_m` rows of one expert per program (wgmma's N):
-    an expert's codes are decoded once per `block_m` of its rows, so prefill wants many; `features`
-    output features per program (64 or 128: one or two wgmma row blocks); `words` int32 code words (8 ·
-    words inputs) per pipeline step, `stages` steps in flight. `in_place`: each program reads its tile's
-    rows where they lie in the sorted activations, `block_m + 8` of them from the multiple of 8 at or
-    before its first row (TMA's alignment), and keeps the `block_m` that are its own, instead of reading a
-    copy of them made beforehand; off by default, as on the H200 it was slower for gate_up at every
-    tiling measured (docs/kernels.md). `code_layout`: "checkpoint" for `w_enk` as checkpoints hold
-    it, "repacked" for `repack_codes(w_enk)` (fewer decode operations; same result bit for bit). Raises
-    CannotTile for what it does not take: non-bf16 activations, float scales, widths that do not tile
-    (K a multiple of 256, N of 64)."""
+    """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, storage)` as a Mosaic GPU
+    kernel, for FP4 experts (`[E, N, K/2]` e2m1 pairs, a ue8m0 scale per row and 32 inputs) or FP8 ones
+    (`[E, N, K]` e4m3, a ue8m0 scale per 128 × 128 block). With `layer`, `w_enk` and `scale` are a stack
+    of such experts and scales (`[L, E, …]`) and the kernel reads entry `layer` where it lies. `block_m`
+    rows of one expert per program (wgmma's N): an expert's codes are decoded once per `block_m` of its
+    rows, so prefill wants many; `features` output features per program (64 or 128: one or two wgmma row
+    blocks); `words` int32 code words (8 · words inputs for FP4, 4 · words for FP8, where a step must
+    stay within one 128-block: 16 or 32) per pipeline step, `stages` steps in flight. `in_place`: each
+    program reads its tile's rows where they lie in the sorted activations, `block_m + 8` of them from
+    the multiple of 8 at or before its first row (TMA's alignment), and keeps the `block_m` that are its
+    own, instead of reading a copy of them made beforehand; off by default, as on the H200 it was slower
+    for gate_up at every tiling measured (docs/kernels.md). `code_layout` (FP4): "checkpoint" for
+    `w_enk` as checkpoints hold it, "repacked" for `repack_codes(w_enk)` (fewer decode operations; same
+    result bit for bit). FP8 scales are taken relative to the largest of their row of blocks in fp16:
+    exact while a block's scale is at least 2^-22 of it. Raises CannotTile for what it does not take:
+    non-bf16 activations, float scales, widths that do not tile (FP4: K a multiple of 256, FP8: of 128;
+    N of 64)."""
     p, k = x_pk.shape
+    if storage not in ("fp4", "fp8"):
+        raise ValueError(f"expert_matmul_mosaic: storage must be 'fp4' or 'fp8', got {storage!r}")
     if block_m % 8 or not 8 <= block_m <= MAX_BLOCK_M:
         raise ValueError(f"expert_matmul_mosaic: block_m must be a multiple of 8 from 8 to {MAX_BLOCK_M}, "
                          f"got {block_m}")
@@ -262,46 +317,70 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     if in_place and block_m + 8 > MAX_BLOCK_M:
         raise ValueError(f"expert_matmul_mosaic: in place, a program reads block_m + 8 rows, at most {MAX_BLOCK_M}: "
                          f"block_m={block_m} is too many")
-    if words not in (16, 32, 64):
-        raise ValueError(f"expert_matmul_mosaic: words must be 16, 32 or 64, got {words}")
+    if words not in ((16, 32, 64) if storage == "fp4" else (16, 32)):
+        raise ValueError(f"expert_matmul_mosaic: words must be 16, 32 or 64 (FP8: 16 or 32, a step within one "
+                         f"128-block), got {words} for {storage.upper()}")
     if stages < 1:
         raise ValueError(f"expert_matmul_mosaic: stages must be at least 1, got {stages}")
     if code_layout not in CODE_LAYOUTS:
         raise ValueError(f"expert_matmul_mosaic: code_layout must be one of {CODE_LAYOUTS}, got {code_layout!r}")
+    if code_layout != "checkpoint" and storage != "fp4":
+        raise ValueError(f"expert_matmul_mosaic: code_layout {code_layout!r} is for FP4 codes; FP8 codes are read "
+                         "as the checkpoint holds them")
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_mosaic")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:
         raise CannotTile(f"expert_matmul_mosaic: activations must be bf16, got {x_pk.dtype}")
     if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
-        raise CannotTile(f"expert_matmul_mosaic: FP4 experts need ue8m0 (power-of-two) scales, got {scale.dtype}")
-    if k % (8 * words) or n % features or w_enk.shape[2] * 2 != k or scale.shape != (e, n, k // FP4_GROUP):
-        raise CannotTile(f"expert_matmul_mosaic: FP4 experts {w_enk.shape} with scales {scale.shape} against {k} "
-                         f"inputs do not tile (inputs by {8 * words}, outputs by {features})")
+        raise CannotTile(f"expert_matmul_mosaic: {storage.upper()} experts need ue8m0 (power-of-two) scales, got "
+                         f"{scale.dtype}")
+    codes_per_word = 2 * _pairs_per_word(storage)
+    if storage == "fp4":
+        stored_k, scale_shape = k // 2, (e, n, k // FP4_GROUP)
+    else:
+        stored_k, scale_shape = k, (e, -(-n // _FP8_BLOCK), k // _FP8_BLOCK)
+    if (k % (codes_per_word * words) or k % _FP8_BLOCK or n % features or w_enk.shape[2] != stored_k
+            or jnp.dtype(w_enk.dtype).itemsize != 1 or scale.shape != scale_shape):
+        raise CannotTile(f"expert_matmul_mosaic: {storage.upper()} experts {w_enk.dtype} {w_enk.shape} with scales "
+                         f"{scale.shape} against {k} inputs do not tile (inputs by {codes_per_word * words}, "
+                         f"outputs by {features})")
     window = block_m + 8 if in_place else block_m  # rows each program reads and computes
-    smem = (stages * (features * words * 4 + 4 * window * 2 * words * 2)  # the pipeline's codes and inputs
-            + features * (-(-k // 1024) * 8 + window) * 4 + 16)  # scales, the results, the tile's numbers
+    group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
+    scale_t = group_t + first_expert
+    if storage == "fp8":
+        if layer is not None:  # this layer's scales only
+            scale = lax.dynamic_slice_in_dim(scale, first_expert, group_sizes_e.shape[0], axis=0)
+            scale_t = group_t
+        scale = _fp8_scale_rows(scale)
+        scale_smem = (1, scale.shape[-1])
+    else:
+        # Free view: four groups' scales per int32 word (little-endian).
+        scale = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint8).reshape(e, n, k // 128, 4),
+                                         jnp.int32)
+        scale_words = -(-k // 1024) * 8
+        if scale_words != k // 128:  # V4.1's down_proj (2,304 inputs: 18 words a row)
+            # The scales' TMA copy and their WGMMA-layout load take rows of whole 8-word tiles: pad with zero
+            # bytes (2^-127, under every real scale, so each row's largest is unchanged), this layer's only.
+            if layer is not None:
+                scale = lax.dynamic_slice_in_dim(scale, first_expert, group_sizes_e.shape[0], axis=0)
+                scale_t = group_t
+            scale = jnp.pad(scale, ((0, 0), (0, 0), (0, scale_words - k // 128)))
+        scale_smem = (features, scale_words)
+    pairs = _pairs_per_word(storage)
+    smem = (stages * (features * words * 4 + pairs * window * 2 * words * 2)  # the pipeline's codes and inputs
+            + scale_smem[0] * scale_smem[1] * 4 + features * window * 4 + 16)  # scales, results, tile
     if smem > SMEM_BYTES:
         raise ValueError(f"expert_matmul_mosaic: block_m={block_m}, features={features}, words={words} and "
                          f"stages={stages} need {smem} bytes of shared memory, more than {SMEM_BYTES}")
-    # Free views: eight codes per int32 word, four groups' scales per int32 word (little-endian).
-    code_words = lax.bitcast_convert_type(w_enk.reshape(e, n, k // 8, 4), jnp.int32)
-    scale = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint8).reshape(e, n, k // 128, 4), jnp.int32)
-    group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
-    scale_t = group_t + first_expert
-    scale_words = -(-k // 1024) * 8
-    if scale_words != k // 128:  # V4.1's down_proj (2,304 inputs: 18 words a row)
-        # The scales' TMA copy and their WGMMA-layout load take rows of whole 8-word tiles: pad with zero
-        # bytes (2^-127, under every real scale, so each row's largest is unchanged), this layer's only.
-        if layer is not None:
-            scale = lax.dynamic_slice_in_dim(scale, first_expert, group_sizes_e.shape[0], axis=0)
-            scale_t = group_t
-        scale = jnp.pad(scale, ((0, 0), (0, 0), (0, scale_words - k // 128)))
+    # Free view: eight FP4 or four FP8 codes per int32 word (little-endian).
+    code_words = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(w_enk, jnp.uint8).reshape(e, n, stored_k // 4, 4), jnp.int32)
     pieces, unscale_p = fp16_rows({0: x_pk})
-    x_qpc = renumbered(jnp.pad(pieces[0], ((0, window), (0, 0))))  # [4, P + window, K/4]
+    x_qpc = renumbered(jnp.pad(pieces[0], ((0, window), (0, 0))), storage)  # [pairs, P + window, K/pairs]
     if in_place:
         x_in, shift_t = x_qpc, lax.rem(row0_t, 8)  # a tile's row i is row shift + i of its window
     else:
-        # Each tile's rows copied out ([4, T, block_m, K/4]): TMA into tiled shared memory needs row offsets
+        # Each tile's rows copied out ([pairs, T, block_m, K/pairs]): TMA into tiled shared memory needs row offsets
         # that are multiples of 8, and a tile starts wherever its expert's rows do. On the H200 these copies
         # (T ≥ E tiles, mostly of padding rows) cost 0.76 ms of a 7.0 ms decode step at 32 sequences, whether
         # gathered row by row or as slabs (docs/kernels.md); `in_place` drops them.
@@ -309,14 +388,15 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
         shift_t = jnp.zeros_like(row0_t)
     tiles = jnp.stack([group_t + first_expert, row0_t, rows_t, scale_t], axis=1)  # [T, 4]
     n_tiles = tiles.shape[0]
-    scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM((features, scale_words), jnp.int32),
+    scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM(scale_smem, jnp.int32),
                plgpu.SMEM((features, window), jnp.float32), plgpu.Barrier()]
     if interpret:
         scratch.append(plgpu.SMEM((features, 2 * words), jnp.float16))
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
-        _body(*refs, n_k=k // (8 * words), window=window, features=features, words=words, stages=stages,
-              in_place=in_place, repacked=code_layout == "repacked", interpret=interpret)
+        _body(*refs, n_k=k // (codes_per_word * words), window=window, features=features, words=words,
+              stages=stages, in_place=in_place, repacked=code_layout == "repacked", storage=storage,
+              interpret=interpret)
 
     kernel = plgpu.kernel(
         dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, window), jnp.float32),
