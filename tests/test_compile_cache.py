@@ -19,6 +19,7 @@ from absl import logging as absl_logging
 from dsjax import cli
 from dsjax.compile_cache import cache_dir, enable_compile_cache
 from dsjax.demo import parsed_response
+from tests.test_demo import check_demo_prints_parsed_code_and_writes_every_response
 
 PROMPTS = ["Count to three", "Name a colour"]
 JOB = ["--served-model-name", "tiny", "--slots", "2", "--max-len", "64", "--chunk-size", "16",
@@ -254,6 +255,7 @@ def test_the_demo_starts_at_least_twice_as_fast_the_second_time(tmp_path):
         done = _finished(_dsjax("generate", "--demo", "--quiet", "--output", str(out), env=env))
         walls.append(time.perf_counter() - start)
         assert done.returncode == 0, done.stderr[-3000:]
+        check_demo_prints_parsed_code_and_writes_every_response(done, out)  # test_demo.py's checks of a run
         with open(out) as f:
             answers.append({r["custom_id"]: parsed_response(r["response"]["body"]) for r in map(json.loads, f)})
     print(f"demo wall: first {walls[0]:.1f} s, second {walls[1]:.1f} s ({walls[1] / walls[0]:.2f})")

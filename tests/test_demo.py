@@ -1,9 +1,11 @@
-"""`dsjax generate --demo`: the whole job on the embedded model, as README's first command runs it."""
+"""`dsjax generate --demo`: the whole job on the embedded model, as README's first command runs it (the run
+itself is in test_compile_cache.py, which checks it with `check_demo_prints_parsed_code_and_writes_every_response`)."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from dsjax.demo import parsed_response
 
@@ -21,9 +23,12 @@ def _finish(body):
     return body.get("stop_reason") or body.get("status")
 
 
-def test_demo_prints_parsed_code_and_writes_every_response(tmp_path):
-    out = tmp_path / "demo.jsonl"
-    proc = _dsjax("generate", "--demo", "--output", str(out), "--quiet")
+def check_demo_prints_parsed_code_and_writes_every_response(proc, out):
+    """The checks of a finished `dsjax generate --demo --output OUT --quiet` (`proc`: its
+    CompletedProcess). `test_compile_cache.test_the_demo_starts_at_least_twice_as_fast_the_second_time`
+    runs the demo (twice, in fresh processes, without the tests' XLA flags, as README's command runs it)
+    and applies them to both runs: a run of its own here would do the same work again."""
+    out = Path(out)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("answer:") == 4 and "thinking:" in proc.stdout
     assert "9 ok, 0 failed" in proc.stdout and f"results: {out}" in proc.stdout
@@ -43,7 +48,7 @@ def test_demo_prints_parsed_code_and_writes_every_response(tmp_path):
     # A response that ended on EOS does not carry the EOS spelling in its text.
     assert any(_finish(r["response"]["body"]) in ("stop", "end_turn", "completed") for r in records)
     assert not any(EOS in t or EOS in a for t, a in parsed)
-    assert os.path.exists(tmp_path / "demo.summary.json")
+    assert os.path.exists(str(out).removesuffix(".jsonl") + ".summary.json")
 
 
 def test_generate_usage_errors_name_the_problem():
