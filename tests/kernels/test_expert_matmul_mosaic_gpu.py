@@ -42,6 +42,7 @@ def test_input_order_renumbers_every_input_once_per_pair(storage, pairs):
     ([0, 0, 40, 0, 0], 5, 2048, 64),     # one group of three tiles; rows routed to no group after it
     ([1, 1, 1, 1, 1], 11, 1024, 192),    # one-row groups, three feature blocks
     ([9, 4, 20], 3, 1280, 64),           # 10 scale words a row, padded to 16 (as V4.1's down_proj's 18)
+    ([0, 1, 0, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1], 2, 1024, 64),  # decode: fewer rows than experts
 ])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_kernel_matches_reference(sizes, extra, k, n, in_place):

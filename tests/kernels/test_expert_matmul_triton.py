@@ -29,6 +29,7 @@ def experts(storage: str, e: int, n: int, k: int, seed: int = 0):
     ([0, 0, 40, 0, 0], 5, 384, 256),     # one group of three tiles; rows routed to no group after it
     ([1, 1, 1, 1, 1], 11, 512, 64),      # 64 outputs: FP4 in column blocks of 64, not 128
     ([2, 0, 3], 1, 256, 256),            # 6 rows (one token): FP4 in column blocks of 64
+    ([0, 1, 0, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1], 2, 256, 64),  # decode: fewer rows than experts
 ])
 def test_kernel_matches_reference(storage, sizes, extra, k, n):
     """Random experts with scales spread over 2^13 (FP4 steps of 256 inputs, or 128 where K = 384)."""
@@ -127,13 +128,17 @@ def test_addressable_follows_the_lowerings_offset_width():
     assert addressable(jax.ShapeDtypeStruct((2 ** 31 + 1,), jnp.int32))
 
 
-def test_group_tiles_cover_every_grouped_row_once():
-    sizes = jnp.asarray([3, 0, 17, 1, 0, 33], jnp.int32)
-    group, row0, rows = (np.asarray(a) for a in group_tiles(sizes, 60, 16))
-    assert len(group) == -(-60 // 16) + 6
+@pytest.mark.parametrize("sizes,n_rows,tiles", [
+    ([3, 0, 17, 1, 0, 33], 60, -(-60 // 16) + 6),  # more rows than experts: ⌈P / 16⌉ + E tiles
+    ([1, 0, 2, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0] * 2, 12, 12),  # decode: fewer rows than experts, P tiles
+    ([1] * 12, 12, 12),  # every tile holds a row
+])
+def test_group_tiles_cover_every_grouped_row_once(sizes, n_rows, tiles):
+    group, row0, rows = (np.asarray(a) for a in group_tiles(jnp.asarray(sizes, jnp.int32), n_rows, 16))
+    assert len(group) == tiles
     covered = np.concatenate([np.arange(r, r + c) for r, c in zip(row0, rows) if c])
-    np.testing.assert_array_equal(np.sort(covered), np.arange(54))
-    owner = np.repeat(np.arange(6), np.asarray(sizes))
+    np.testing.assert_array_equal(np.sort(covered), np.arange(sum(sizes)))
+    owner = np.repeat(np.arange(len(sizes)), np.asarray(sizes))
     for g, r, c in zip(group, row0, rows):
         assert c == 0 or set(owner[r:r + c]) == {g}
         assert 0 <= c <= 16

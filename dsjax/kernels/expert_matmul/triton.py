@@ -48,14 +48,16 @@ FEW_ROWS = 8  # rows up to which FP4 takes column blocks of 64: a decode step of
 
 def group_tiles(group_sizes_e: jax.Array, n_rows: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tiles of at most `block_m` consecutive rows of one group, for rows sorted by group: per tile its
-    group, first row and number of rows. There are at most `⌈n_rows / block_m⌉ + E` tiles (the static
-    count returned); tiles past the last hold 0 rows."""
+    group, first row and number of rows. There are at most `⌈n_rows / block_m⌉ + E` tiles, and at most
+    `n_rows` (each holds a row; the static count returned is the lesser: at decode, with fewer rows than
+    experts, most experts have none, and every tile is a program and, in the Mosaic kernel, a copy of
+    `block_m` rows); tiles past the last hold 0 rows."""
     e = group_sizes_e.shape[0]
     sizes = group_sizes_e.astype(jnp.int32)
     offsets = jnp.cumsum(sizes) - sizes
     counts = -(-sizes // block_m)
     ends = jnp.cumsum(counts)
-    t = jnp.arange(-(-n_rows // block_m) + e, dtype=jnp.int32)
+    t = jnp.arange(max(1, min(-(-n_rows // block_m) + e, n_rows)), dtype=jnp.int32)
     g = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
     g_c = jnp.minimum(g, e - 1)
     j = t - (ends[g_c] - counts[g_c])
