@@ -16,6 +16,7 @@ overhead cancel; host jitter only adds time, so the fastest call is kept). For s
     python scripts/bench_kernels.py grouped-matmul --tokens 65536 --block-m 64 128 --block-n 64 128
     python scripts/bench_kernels.py fp4-experts --preset v4.1-flash --tokens 8192 --block-m 16 64 128
     python scripts/bench_kernels.py fp8-experts --tokens 32 128 --block-m 16 --triton --no-reference
+    python scripts/bench_kernels.py dense-fp8 --tokens 1 32 128 256
     dsjax export --preset tiny-kernels --platform cuda --weights bf16 --out build/export-cuda   # (on CPU)
     python scripts/bench_kernels.py export --artifact build/export-cuda
     ncu --clock-control none --kernel-name regex:dsjax --metrics gpu__time_duration.sum --csv \
@@ -521,6 +522,60 @@ def bench_fp4_experts(args, cfg, bandwidth, storage: str = "fp4"):
     return rows
 
 
+def dense_fp8_shapes(cfg) -> list[tuple[str, int, int, int]]:
+    """(name, G, N, K) of the preset's FP8 linears that a decode step runs, largest first: attention's
+    query up-projection, grouped output projection and output projection, the query down-projection
+    and the shared experts'."""
+    h, heads, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    shared = cfg.moe_intermediate_size * max(1, cfg.n_shared_experts)
+    return [("q_b", 1, heads * d, cfg.q_lora_rank), ("o_a", cfg.o_groups, cfg.o_lora_rank, heads * d // cfg.o_groups),
+            ("o_b", 1, h, cfg.o_groups * cfg.o_lora_rank), ("shared_gate", 1, shared, h), ("shared_down", 1, h, shared),
+            ("q_a", 1, cfg.q_lora_rank, h)]
+
+
+def bench_dense_fp8(args, cfg, bandwidth):
+    """Dense FP8 linears at decode (`--tokens` rows), in the preset's block size (random e4m3 codes but NaN,
+    ue8m0 scales spread over 2^10, new weights for each input set so that L2 serves no repeat): XLA on the
+    dequantized weight as the model runs them (`xla`) against the Mosaic GPU expert kernel reading the codes
+    (`op.dense_fp8_mosaic`, `mosaic_fp8`; it takes 128 × 128 blocks only). Each row has the bytes a kernel
+    must move at least (codes, scales, rows in and out) and their share of the copy bandwidth; errors are
+    against the `xla` row."""
+    from dsjax.kernels.expert_matmul.op import dense_fp8_matmul, dense_fp8_mosaic
+
+    block = tuple(cfg.quantization.weight_block_size) if cfg.quantization else (128, 128)
+    rows = []
+    for tokens, (name, g, n, k) in itertools.product(args.tokens, dense_fp8_shapes(cfg)):
+        scale_shape = (g, -(-n // block[0]), -(-k // block[1]))
+
+        def make_set(i, g=g, n=n, k=k, tokens=tokens, scale_shape=scale_shape):
+            key_w, key_s, key_x = jax.random.split(jax.random.key(1000 * tokens + i), 3)
+            codes = jax.lax.bitcast_convert_type(jax.random.bits(key_w, (g, n, k // 4), jnp.uint32),
+                                                 jnp.uint8).reshape(g, n, k)
+            codes = jax.lax.bitcast_convert_type(jnp.where(codes & 0x7F == 0x7F, codes - 1, codes), jnp.float8_e4m3fn)
+            scale = jax.random.randint(key_s, scale_shape, 119, 129).astype(jnp.uint8)
+            return jax.random.normal(key_x, (g, tokens, k), jnp.bfloat16), codes, scale
+
+        x, codes, scale = make_set(0)
+        n_bytes = codes.size + scale.size + g * tokens * (k + n) * 2
+        want = None
+        impls = {"xla": functools.partial(dense_fp8_matmul, block=block, kernels="reference"),
+                 "mosaic_fp8": functools.partial(dense_fp8_mosaic, interpret=args.interpret)}  # raises where it cannot
+        for impl, kernel in impls.items():
+            try:
+                got = np.asarray(jax.jit(kernel)(x, codes, scale), np.float32)
+                t_kernel = timed(kernel, make_set, few=2, many=8, repeats=5)
+            except Exception as ex:  # e.g. another block size: say so and go on
+                print(f"{name} {impl}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                continue
+            want = got if want is None else want
+            emit(args, rows, {"op": "dense_fp8", "linear": name, "groups": g, "N": n, "K": k, "rows": tokens,
+                              "impl": impl, "block": f"{block[0]}x{block[1]}", "kernel_ms": t_kernel * 1e3,
+                              "MB": n_bytes / 1e6, "GBps": n_bytes / t_kernel / 1e9,
+                              "of_copy": n_bytes / t_kernel / bandwidth,
+                              "max_diff": float(np.max(np.abs(got - want)))}, bandwidth)
+    return rows
+
+
 def bench_export(args, cfg, bandwidth):
     """Load a `dsjax export` artifact, run its prefill and decode steps with random weights, check them
     against the engine's own jitted steps (greedy tokens equal, logprobs close) and time a decode step."""
@@ -643,7 +698,7 @@ def read_ncu(args, cfg, bandwidth):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=("attention", "tune", "indexer", "prefill-indexer", "prefill-attention",
-                                      "grouped-matmul", "fp4-experts", "fp8-experts", "export",
+                                      "grouped-matmul", "fp4-experts", "fp8-experts", "dense-fp8", "export",
                                       "variants", "ncu"))
     p.add_argument("--variant", nargs="+", default=[], help="variants: JSON kernel specs, e.g. "
                    '\'{"op": "attention", "kv": "fp8", "batch": 64, "context": 131072, "block_h": 32}\'')
@@ -668,7 +723,8 @@ def main(argv=None) -> int:
     p.add_argument("--fuse", nargs="+", default=["on"], choices=("on", "off"),
                    help="prefill-indexer: one product of all a block's queries' heads (on) or one per query (off)")
     p.add_argument("--rate", type=int, help="prefill-indexer: tokens per index key (default: the preset's CSA rate)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[65536], help="grouped-matmul: tokens routed")
+    p.add_argument("--tokens", type=int, nargs="+", default=[65536],
+                   help="grouped-matmul, fp4-experts, fp8-experts: tokens routed; dense-fp8: rows")
     p.add_argument("--block-m", type=int, nargs="+", default=[64, 128],
                    help="grouped-matmul, fp4-experts, fp8-experts: rows per tile")
     p.add_argument("--block-n", type=int, nargs="+", default=[64, 128], help="grouped-matmul: columns per tile")
@@ -704,7 +760,7 @@ def main(argv=None) -> int:
     rows = {"attention": bench_attention, "tune": bench_tune, "indexer": bench_indexer,
             "prefill-indexer": bench_prefill_indexer, "prefill-attention": bench_prefill_attention,
             "grouped-matmul": bench_grouped_matmul, "fp4-experts": bench_fp4_experts,
-            "fp8-experts": functools.partial(bench_fp4_experts, storage="fp8"),
+            "fp8-experts": functools.partial(bench_fp4_experts, storage="fp8"), "dense-fp8": bench_dense_fp8,
             "export": bench_export, "variants": run_variants,
             "ncu": read_ncu}[args.what](args, cfg, bandwidth)
     keys = list(dict.fromkeys(k for r in rows for k in r if k != "op"))

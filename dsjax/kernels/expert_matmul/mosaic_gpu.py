@@ -53,6 +53,7 @@ BLOCK_M = 16    # rows per tile (wgmma's N): measured best against 8 and 32 from
 # sit between the measured points: (from rows per expert, rows per tile), the first that applies.
 TILE_ROWS = ((48, 64), (8, 32))
 MAX_BLOCK_M = 256  # wgmma's largest N; shared memory bounds it further (`SMEM_BYTES`)
+MAX_DENSE_BLOCK_M = 128  # rows per tile for dense FP8 linears (`op.dense_fp8_matmul`): more rows, more tiles
 SMEM_BYTES = 227 * 1024  # shared memory one program may hold on Hopper
 STAGES = 2      # steps in flight: measured best against 3 and 4
 MIN_ROWS = 128  # below, the Triton kernel is faster (8 tokens × 6 experts: 0.37 ms against 0.46)

@@ -1,15 +1,19 @@
 """The grouped matmul over low-precision experts as the MoE calls it: a GPU kernel where one applies,
 else the reference (`dispatch.py`). FP4 experts from `mosaic_gpu.MIN_ROWS` rows on: the Mosaic GPU kernel,
-in tiles of many rows for prefill; below, and FP8 experts for decode, the Triton kernel."""
+in tiles of many rows for prefill; below, and FP8 experts for decode, the Triton kernel. And the same
+kernel for dense FP8 linears at decode (`dense_fp8_matmul`): a linear is one expert that every row uses."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from dsjax.kernels.dispatch import dispatch
 from dsjax.kernels.expert_matmul import mosaic_gpu
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
 from dsjax.kernels.expert_matmul.triton import expert_matmul_gpu
+from dsjax.numerics import einsum
+from dsjax.quant import dequantize_fp8
 from dsjax.stacked import StackedSlice, as_array
 
 # Rows per expert above which dequantizing the experts once (reference) beats the Triton kernel, which
@@ -40,3 +44,41 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
         gpu.append(lambda interpret: expert_matmul_gpu(x_pk, group_sizes_e=group_sizes_e, storage=storage,
                                                        interpret=interpret, **stacks))
     return dispatch(reference, kernels=kernels, gpu=gpu)
+
+
+# Rows up to which `dense_fp8_matmul` takes the kernel: decode. Past them (prefill) the weight's codes are
+# a small part of the work, and dequantizing once for XLA's tuned GEMM is the better trade.
+DENSE_MAX_ROWS = 256
+
+
+def dense_fp8_matmul(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, block: tuple[int, int] = (128, 128), *,
+                     kernels: str = "auto") -> jax.Array:
+    """`[G, P, K] · [G, N, K]ᵀ → [G, P, N]`: G dense FP8 linears (e4m3 with a scale per `block`,
+    `scale [G, ⌈N/b0⌉, ⌈K/b1⌉]`), each over its own P rows (G = 1: one linear; G > 1: a grouped
+    projection such as attention's output). Up to `DENSE_MAX_ROWS` rows on GPUs, with 128 × 128 blocks
+    of ue8m0 scales, the Mosaic GPU expert kernel reads the codes once, as they are stored (each linear
+    an expert that all its rows use), so no dequantized copy of the weight is written; elsewhere, and
+    where it does not tile, the weight is dequantized to x's dtype for one batched matmul."""
+    g, p, k = x_gpk.shape
+    if w_gnk.shape[0] != g or w_gnk.shape[2] != k:
+        raise ValueError(f"dense_fp8_matmul: weights {w_gnk.shape} do not match inputs {x_gpk.shape} ([G, N, K] "
+                         "against [G, P, K])")
+
+    def reference():
+        return einsum("gpk,gnk->gpn", x_gpk, dequantize_fp8(w_gnk, scale, x_gpk.dtype, block))
+
+    def mosaic(interpret: bool) -> jax.Array:
+        return dense_fp8_mosaic(x_gpk, w_gnk, scale, interpret=interpret)
+
+    takes = p <= DENSE_MAX_ROWS and tuple(block) == (128, 128)
+    return dispatch(reference, kernels=kernels, gpu=[mosaic] if takes else [])
+
+
+def dense_fp8_mosaic(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """`dense_fp8_matmul` by the Mosaic GPU kernel alone (CannotTile where it does not apply): the G
+    linears as G experts, P rows each, in tiles of up to `mosaic_gpu.MAX_DENSE_BLOCK_M` rows."""
+    g, p, k = x_gpk.shape
+    block_m = min(mosaic_gpu.MAX_DENSE_BLOCK_M, -(-p // 8) * 8)
+    y = mosaic_gpu.expert_matmul_mosaic(x_gpk.reshape(g * p, k), w_gnk, scale, jnp.full((g,), p, jnp.int32),
+                                        storage="fp8", block_m=block_m, interpret=interpret)
+    return y.reshape(g, p, -1)

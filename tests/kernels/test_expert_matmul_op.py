@@ -1,0 +1,93 @@
+"""`op.dense_fp8_matmul`: dense FP8 linears through the Mosaic GPU expert kernel (interpreted on CPU)
+against their dequantized matmul, where it falls back, and what it refuses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsjax.kernels.expert_matmul import op
+from dsjax.kernels.expert_matmul.op import dense_fp8_matmul
+from dsjax.quant import dequantize_fp8, quantize_fp8
+from tests.kernels.test_expert_matmul_mosaic_gpu import close
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def linears(g: int, n: int, k: int, seed: int = 0, scale_fmt: str = "ue8m0"):
+    """G random `[N, K]` weights as V4 stores them (e4m3, 128 × 128 blocks), scales spread over 2^10."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((g, n, k)) * np.logspace(-3, 0, k)[None, None, rng.permutation(k)]
+    return quantize_fp8(jnp.asarray(w, jnp.float32), (128, 128), scale_fmt)
+
+
+def dequantized_matmul(x, q, s):
+    return np.einsum("gpk,gnk->gpn", np.asarray(x, np.float32), np.asarray(dequantize_fp8(q, s, jnp.bfloat16),
+                                                                          np.float32))
+
+
+@pytest.mark.parametrize("g,p,n,k", [
+    (1, 1, 256, 512),    # one sequence's decode step: a tile of 8 rows, 7 of them padding
+    (1, 40, 192, 384),   # a partial 128-block of outputs
+    (4, 12, 128, 256),   # a grouped projection (attention's output): four linears of 12 rows each
+    (1, 200, 64, 128),   # more rows than a tile holds: two tiles
+])
+def test_kernel_equals_the_dequantized_matmul(g, p, n, k):
+    q, s = linears(g, n, k, seed=p)
+    x = jnp.asarray(np.random.default_rng(p).standard_normal((g, p, k)) * 3, jnp.bfloat16)
+    got = dense_fp8_matmul(x, q, s, kernels="interpret")
+    assert got.shape == (g, p, n) and got.dtype == jnp.bfloat16
+    want = dequantized_matmul(x, q, s)
+    close(got, want)
+    close(dense_fp8_matmul(x, q, s, kernels="reference"), want)
+
+
+def test_kernel_runs_where_it_tiles_and_the_reference_where_it_does_not(monkeypatch):
+    """Interpreted, the kernel runs for decode rows with ue8m0 scales; fp32 scales (which the kernel's
+    power-of-two arithmetic cannot take) and prefill rows take the reference."""
+    tiled = []  # the kernel calls that returned (dispatch traces a kernel once to see whether it tiles)
+    real = op.mosaic_gpu.expert_matmul_mosaic
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        tiled.append(kwargs)
+        return out
+
+    monkeypatch.setattr(op.mosaic_gpu, "expert_matmul_mosaic", counted)
+    x = jnp.ones((1, 16, 256), jnp.bfloat16)
+    q, s = linears(1, 128, 256)
+    dense_fp8_matmul(x, q, s, kernels="interpret")
+    assert tiled and all(c["storage"] == "fp8" and c["block_m"] == 16 for c in tiled)
+    tiled.clear()
+    q32, s32 = linears(1, 128, 256, scale_fmt="float")
+    close(dense_fp8_matmul(x, q32, s32, kernels="interpret"), dequantized_matmul(x, q32, s32))
+    many = jnp.ones((1, op.DENSE_MAX_ROWS + 8, 256), jnp.bfloat16)
+    dense_fp8_matmul(many, q, s, kernels="interpret")
+    assert not tiled  # fp32 scales: refused with CannotTile; prefill rows: not tried
+
+
+def test_other_blocks_take_the_dequantized_matmul():
+    """V4.1's 32 × 32 blocks: the kernel takes 128 × 128 only, so even "interpret" dequantizes."""
+    w = np.random.default_rng(0).standard_normal((1, 96, 160))
+    q, s = quantize_fp8(jnp.asarray(w, jnp.float32), (32, 32), "ue8m0")
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 8, 160)), jnp.bfloat16)
+    got = dense_fp8_matmul(x, q, s, (32, 32), kernels="interpret")
+    want = np.einsum("gpk,gnk->gpn", np.asarray(x, np.float32),
+                     np.asarray(dequantize_fp8(q, s, jnp.bfloat16, (32, 32)), np.float32))
+    close(got, want)
+
+
+def test_weights_that_do_not_match_the_inputs_are_refused():
+    q, s = linears(2, 128, 256)
+    with pytest.raises(ValueError, match=r"weights \(2, 128, 256\) do not match inputs \(1, 4, 256\)"):
+        dense_fp8_matmul(jnp.ones((1, 4, 256), jnp.bfloat16), q, s)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("g,n,k", [(1, 32768, 1024), (8, 1024, 4096), (1, 4096, 8192)])
+@pytest.mark.parametrize("p", [1, 32, 256])
+def test_native_kernel_on_v4_flash_attention_linears(g, n, k, p):
+    """Compiled, at V4-Flash's q_b, grouped o_a and o_b shapes and decode batches."""
+    q, s = linears(g, n, k)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((g, p, k)), jnp.bfloat16)
+    close(dense_fp8_matmul(x, q, s), dequantized_matmul(x, q, s))
