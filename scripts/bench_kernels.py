@@ -445,7 +445,7 @@ def bench_fp4_experts(args, cfg, bandwidth, storage: str = "fp4"):
     `--tokens` tokens routed uniformly at random: the reference as the model runs it for many rows per
     expert (every expert dequantized to bf16, then the tuned grouped matmul) against the Mosaic GPU FP4
     kernel with each `--block-m` (rows of one expert per program), `--features` (outputs per program),
-    `--words` (code words per step), `--stages` (steps in flight), `--in-place` and `--code-layout` (the
+    `--words` (code words per step), `--stages` (steps in flight), `--rows` and `--code-layout` (the
     checkpoint's or the repacked one, repacked before the timing as a load would), and with `--triton` the
     Triton kernel (what the model takes below `mosaic_gpu.MIN_ROWS` rows, and for FP8). Each row has the bytes a kernel
     must move at least (the codes and scales of the experts with rows, the rows in and out) and their share of
@@ -483,7 +483,7 @@ def bench_fp4_experts(args, cfg, bandwidth, storage: str = "fp4"):
         per_expert = n_dim * (k_dim // 2 + k_dim // FP4_GROUP) if storage == "fp4" else codes[0].size + scale[0].size
         n_bytes = int(np.count_nonzero(np.asarray(sizes))) * per_expert + m * (k_dim + n_dim) * 2
         tilings = list(itertools.product(args.block_m, args.features, args.words, args.stages,
-                                         [mode == "on" for mode in args.in_place],
+                                         args.row_source,
                                          args.code_layout if storage == "fp4" else ["checkpoint"]))
         code_sets = {"checkpoint": codes}
         if "repacked" in args.code_layout and storage == "fp4":
@@ -499,11 +499,11 @@ def bench_fp4_experts(args, cfg, bandwidth, storage: str = "fp4"):
                     return expert_matmul_gpu(x, codes, scale, sizes, storage, interpret=args.interpret)
             else:
                 label = {"impl": f"mosaic_{storage}",
-                         **dict(zip(("block_m", "features", "words", "stages", "in_place", "code_layout"), choice))}
+                         **dict(zip(("block_m", "features", "words", "stages", "row_source", "code_layout"), choice))}
                 def kernel(codes, sizes, x, scale, choice=choice):
                     return expert_matmul_mosaic(x, codes, scale, sizes, storage=storage, block_m=choice[0],
                                                 features=choice[1],
-                                                words=choice[2], stages=choice[3], in_place=choice[4],
+                                                words=choice[2], stages=choice[3], row_source=choice[4],
                                                 code_layout=choice[5], interpret=args.interpret)
             its_codes = code_sets[choice[5]] if isinstance(choice, tuple) else codes
             try:
@@ -732,8 +732,9 @@ def main(argv=None) -> int:
     p.add_argument("--words", type=int, nargs="+", default=[32], help="fp4-experts, fp8-experts: int32 code words per step")
     p.add_argument("--stages", type=int, nargs="+", default=[2], help="fp4-experts, fp8-experts: steps in flight")
     p.add_argument("--triton", action="store_true", help="fp4-experts, fp8-experts: time the Triton kernel too")
-    p.add_argument("--in-place", nargs="+", choices=("off", "on"), default=["off"],
-                   help="fp4-experts, fp8-experts: tiles' rows copied out first (off) or read where they lie (on)")
+    p.add_argument("--rows", dest="row_source", nargs="+", choices=("copied", "window", "aligned"),
+                   default=["copied"], help="fp4-experts, fp8-experts: where a program reads its tile's rows: copied "
+                   "out first, in place from a window, or in place after moving each expert to a multiple of 8")
     p.add_argument("--code-layout", nargs="+", choices=("checkpoint", "repacked"), default=["checkpoint"],
                    help="fp4-experts: the FP4 codes in the checkpoint's order or repacked for the kernel")
     p.add_argument("--block-k-mm", dest="block_k_mm", type=int, nargs="+", default=[64, 128],

@@ -44,45 +44,49 @@ def test_input_order_renumbers_every_input_once_per_pair(storage, pairs):
     ([9, 4, 20], 3, 1280, 64),           # 10 scale words a row, padded to 16 (as V4.1's down_proj's 18)
     ([0, 1, 0, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1], 2, 1024, 64),  # decode: fewer rows than experts
 ])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_kernel_matches_reference(sizes, extra, k, n, in_place):
+@pytest.mark.parametrize("row_source", ["copied", "window", "aligned"])
+def test_kernel_matches_reference(sizes, extra, k, n, row_source):
     """Random experts with scales spread over 2^13 (interpreted: no GPU needed), each tile's rows copied
-    out or read in place."""
+    out, read in place from a window, or from experts moved to multiples of 8."""
     e = len(sizes)
     q, s = experts("fp4", e, n, k, seed=len(sizes) + extra)
     p = sum(sizes) + extra
     x = jnp.asarray(np.random.default_rng(extra).standard_normal((p, k)) * 3, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    got = expert_matmul_mosaic(x, q, s, group_sizes, in_place=in_place, interpret=True)
+    got = expert_matmul_mosaic(x, q, s, group_sizes, row_source=row_source, interpret=True)
     assert got.shape == (p, n) and got.dtype == jnp.bfloat16
     close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
 
 
-@pytest.mark.parametrize("block_m,features,words,stages", [
-    (32, 64, 32, 2), (64, 64, 32, 2), (128, 64, 32, 2), (64, 128, 32, 2),
-    (128, 64, 16, 3), (256, 64, 16, 2), (64, 64, 64, 2),  # the prefill sweep's step widths and depths
+_PREFILL_TILINGS = [(32, 64, 32, 2), (64, 64, 32, 2), (128, 64, 32, 2), (64, 128, 32, 2),
+                    (128, 64, 16, 3), (256, 64, 16, 2), (64, 64, 64, 2)]  # the prefill sweep's widths and depths
+
+
+@pytest.mark.parametrize("block_m,features,words,stages,row_source", [
+    *[(*tiling, source) for source in ("copied", "window") for tiling in _PREFILL_TILINGS],
+    (32, 64, 32, 2, "aligned"), (256, 64, 16, 2, "aligned"),  # the same kernel reads as "window" does
 ])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, words, stages, in_place):
+def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, words, stages, row_source):
     """Tiles of many rows (prefill), whose results are taken out by whole rows: groups over several
     tiles, an empty one, rows routed nowhere. Same sums as the decode tiling up to their order."""
     sizes, extra, k, n = [70, 0, 150, 5], 9, 1024, 128
     q, s = experts("fp4", len(sizes), n, k, seed=3)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    if in_place and block_m == 256:  # 256 rows and the 8 before them are more than wgmma's N
+    if row_source == "window" and block_m == 256:  # 256 rows and the 8 before them are more than wgmma's N
         with pytest.raises(ValueError, match="block_m=256 is too many"):
-            expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, in_place=True, interpret=True)
+            expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, row_source="window", interpret=True)
         return
     got = expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, features=features, words=words, stages=stages,
-                               in_place=in_place, interpret=True)[:sum(sizes)]
+                               row_source=row_source, interpret=True)[:sum(sizes)]
     close(got, expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
     close(got, expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)[:sum(sizes)])
 
 
 @pytest.mark.parametrize("sizes,extra,k,n,options", [
     ([3, 0, 17, 1, 6], 3, 1024, 192, dict(words=16)),        # two 128-blocks of outputs, the second partial
-    ([40, 0, 9], 3, 640, 64, dict(block_m=32, in_place=True)),  # prefill tiles read in place
+    ([40, 0, 9], 3, 640, 64, dict(block_m=32, row_source="window")),  # prefill tiles read in place
+    ([3, 0, 17, 1, 6], 3, 512, 64, dict(row_source="aligned")),  # experts moved to multiples of 8
     ([1, 1, 1, 1, 1], 3, 384, 128, dict(features=128)),       # one-row groups, 128 features a program
 ])
 def test_fp8_experts_match_reference(sizes, extra, k, n, options):
@@ -315,8 +319,9 @@ def test_refuses_what_it_does_not_take_with_a_clear_error(change, message, until
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("k", [4096, 2048])
-@pytest.mark.parametrize("block_m,in_place", [(16, False), (16, True), (64, True)])
-def test_native_kernel_matches_reference(k, block_m, in_place):
+@pytest.mark.parametrize("block_m,row_source", [(16, "copied"), (16, "window"), (64, "window"), (16, "aligned"),
+                                                (8, "aligned"), (64, "aligned")])
+def test_native_kernel_matches_reference(k, block_m, row_source):
     """Compiled (the register reinterpretation and register-A wgmma, which the interpreter replaces):
     V4-Flash's expert widths (gate_up 4096 inputs, down_proj 2048), 32 tokens' worth of rows; decode and
     prefill tiles, copied out or read in place (wgmma's N of 24 and 72)."""
@@ -325,7 +330,7 @@ def test_native_kernel_matches_reference(k, block_m, in_place):
     rng = np.random.default_rng(1)
     sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
     x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
-    close(expert_matmul_mosaic(x, q, s, sizes, block_m=block_m, in_place=in_place),
+    close(expert_matmul_mosaic(x, q, s, sizes, block_m=block_m, row_source=row_source),
           expert_matmul_reference(x, q, s, sizes, "fp4"))
 
 

@@ -65,6 +65,7 @@ _SIGNED_MAGNITUDES = int(np.uint32(0x8E008E00).view(np.int32))  # both
 _E4M3_MAGNITUDES = 0x3F803F80  # where an e4m3's exponent and mantissa sit in each of two fp16s (`e4m3 · 2^-8`)
 _FP8_BLOCK = 128  # FP8 experts' scale blocks: 128 outputs × 128 inputs
 CODE_LAYOUTS = ("checkpoint", "repacked")
+ROW_SOURCES = ("copied", "window", "aligned")  # where a program reads its tile's rows (`expert_matmul_mosaic`)
 # The repacked layout (`repack_codes`): in each int32 word, pair p's two magnitudes at bits
 # _REPACKED_MAGNITUDE[p] (and + 16), its two signs at _REPACKED_SIGN[p] (and + 16). Pairs 0 and 1 then
 # decode with one mask (after one shift), pairs 2 and 3 with two shifts and two masks: 6 logic operations
@@ -192,8 +193,8 @@ def _tiled(columns: int, itemsize: int) -> tuple:
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
           window: int, features: int, words: int, stages: int, in_place: bool, repacked: bool, storage: str,
           interpret: bool):
-    """One program: `window` rows (the tile's, or in place the `block_m + 8` from a multiple of 8) of one
-    expert against `features` of its outputs."""
+    """One program: `window` rows of one expert (the tile's copy, or `in_place` the sorted rows from the
+    multiple of 8 at or before its first) against `features` of its outputs."""
     t, nb = lax.axis_index("t"), lax.axis_index("n")
     plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
     plgpu.barrier_wait(bar)
@@ -284,11 +285,11 @@ def _fp8_scale_rows(scale_ebk: jax.Array) -> jax.Array:
     return jnp.pad(rows, ((0, 0), (0, 0), (0, -rows.shape[-1] % 4)))
 
 
-@functools.partial(jax.jit, static_argnames=("storage", "block_m", "features", "words", "stages", "in_place",
+@functools.partial(jax.jit, static_argnames=("storage", "block_m", "features", "words", "stages", "row_source",
                                              "code_layout", "interpret"))
 def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
                          layer: jax.Array | None = None, *, storage: str = "fp4", block_m: int = BLOCK_M,
-                         features: int = FEATURES, words: int = WORDS, stages: int = STAGES, in_place: bool = False,
+                         features: int = FEATURES, words: int = WORDS, stages: int = STAGES, row_source: str = "copied",
                          code_layout: str = "checkpoint", interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, storage)` as a Mosaic GPU
     kernel, for FP4 experts (`[E, N, K/2]` e2m1 pairs, a ue8m0 scale per row and 32 inputs) or FP8 ones
@@ -297,11 +298,13 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     rows of one expert per program (wgmma's N): an expert's codes are decoded once per `block_m` of its
     rows, so prefill wants many; `features` output features per program (64 or 128: one or two wgmma row
     blocks); `words` int32 code words (8 · words inputs for FP4, 4 · words for FP8, where a step must
-    stay within one 128-block: 16 or 32) per pipeline step, `stages` steps in flight. `in_place`: each
-    program reads its tile's rows where they lie in the sorted activations, `block_m + 8` of them from
-    the multiple of 8 at or before its first row (TMA's alignment), and keeps the `block_m` that are its
-    own, instead of reading a copy of them made beforehand; off by default, as on the H200 it was slower
-    for gate_up at every tiling measured (docs/kernels.md). `code_layout` (FP4): "checkpoint" for
+    stay within one 128-block: 16 or 32) per pipeline step, `stages` steps in flight. `row_source`, where a
+    program reads its tile's rows (TMA needs row offsets that are multiples of 8; a tile starts wherever its
+    expert's rows do): "copied", each tile's `block_m` rows copied out beforehand; "window", the sorted
+    rows where they lie, `block_m + 8` of them from the multiple of 8 at or before the tile's first, the
+    tile's `block_m` kept (on the H200 slower than "copied" for gate_up at every tiling measured,
+    docs/kernels.md); "aligned", the sorted rows scattered once into a buffer where each expert's rows
+    start at a multiple of 8, then read where they lie, `block_m` of them. `code_layout` (FP4): "checkpoint" for
     `w_enk` as checkpoints hold it, "repacked" for `repack_codes(w_enk)` (fewer decode operations; same
     result bit for bit). FP8 scales are taken relative to the largest of their row of blocks in fp16:
     exact while a block's scale is at least 2^-22 of it. Raises CannotTile for what it does not take:
@@ -315,9 +318,11 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
                          f"got {block_m}")
     if features not in (64, 128):
         raise ValueError(f"expert_matmul_mosaic: features must be 64 or 128, got {features}")
-    if in_place and block_m + 8 > MAX_BLOCK_M:
-        raise ValueError(f"expert_matmul_mosaic: in place, a program reads block_m + 8 rows, at most {MAX_BLOCK_M}: "
-                         f"block_m={block_m} is too many")
+    if row_source not in ROW_SOURCES:
+        raise ValueError(f"expert_matmul_mosaic: row_source must be one of {ROW_SOURCES}, got {row_source!r}")
+    if row_source == "window" and block_m + 8 > MAX_BLOCK_M:
+        raise ValueError(f"expert_matmul_mosaic: from a window, a program reads block_m + 8 rows, at most "
+                         f"{MAX_BLOCK_M}: block_m={block_m} is too many")
     if words not in ((16, 32, 64) if storage == "fp4" else (16, 32)):
         raise ValueError(f"expert_matmul_mosaic: words must be 16, 32 or 64 (FP8: 16 or 32, a step within one "
                          f"128-block), got {words} for {storage.upper()}")
@@ -345,7 +350,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
         raise CannotTile(f"expert_matmul_mosaic: {storage.upper()} experts {w_enk.dtype} {w_enk.shape} with scales "
                          f"{scale.shape} against {k} inputs do not tile (inputs by {codes_per_word * words}, "
                          f"outputs by {features})")
-    window = block_m + 8 if in_place else block_m  # rows each program reads and computes
+    window = block_m + 8 if row_source == "window" else block_m  # rows each program reads and computes
     group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
     scale_t = group_t + first_expert
     if storage == "fp8":
@@ -377,17 +382,36 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     code_words = lax.bitcast_convert_type(
         lax.bitcast_convert_type(w_enk, jnp.uint8).reshape(e, n, stored_k // 4, 4), jnp.int32)
     pieces, unscale_p = fp16_rows({0: x_pk})
-    x_qpc = renumbered(jnp.pad(pieces[0], ((0, window), (0, 0))), storage)  # [pairs, P + window, K/pairs]
-    if in_place:
-        x_in, shift_t = x_qpc, lax.rem(row0_t, 8)  # a tile's row i is row shift + i of its window
+    read_t = row0_t  # where the kernel reads each tile's rows ("window": from the multiple of 8 at or before)
+    if row_source == "aligned":
+        # Each expert's rows moved to start at a multiple of 8: at most 7 more rows for each expert that has
+        # any, and `window` more so that the last tile's read stays inside. Rows past Σ sizes (routed
+        # nowhere) are dropped. A scatter of the P rows, instead of T · block_m rows gathered.
+        groups = group_sizes_e.shape[0]
+        sizes = group_sizes_e.astype(jnp.int32)
+        padded = (sizes + 7) // 8 * 8
+        moved_g = (jnp.cumsum(padded) - padded) - (jnp.cumsum(sizes) - sizes)
+        group_p = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(p), side="right")
+        n_rows = p + 7 * min(groups, p) + window
+        # (dropped rows get distinct indices past the end, so that the indices stay unique and sorted)
+        to_p = jnp.where(group_p < groups, jnp.arange(p) + moved_g[jnp.minimum(group_p, groups - 1)],
+                         n_rows + jnp.arange(p))
+        x_in = jnp.zeros((pairs, n_rows, k // pairs), jnp.float16).at[:, to_p].set(
+            renumbered(pieces[0], storage), mode="drop", unique_indices=True, indices_are_sorted=True)
+        read_t = row0_t + moved_g[group_t]
+        shift_t = jnp.zeros_like(row0_t)
+    elif row_source == "window":
+        x_in = renumbered(jnp.pad(pieces[0], ((0, window), (0, 0))), storage)  # [pairs, P + window, K/pairs]
+        shift_t = lax.rem(row0_t, 8)  # a tile's row i is row shift + i of its window
     else:
+        x_qpc = renumbered(jnp.pad(pieces[0], ((0, window), (0, 0))), storage)  # [pairs, P + window, K/pairs]
         # Each tile's rows copied out ([pairs, T, block_m, K/pairs]): TMA into tiled shared memory needs row offsets
         # that are multiples of 8, and a tile starts wherever its expert's rows do. On the H200 these copies
         # (T ≥ E tiles, mostly of padding rows) cost 0.76 ms of a 7.0 ms decode step at 32 sequences, whether
-        # gathered row by row or as slabs (docs/kernels.md); `in_place` drops them.
+        # gathered row by row or as slabs (docs/kernels.md); "window" and "aligned" drop them.
         x_in = jax.vmap(lambda r: lax.dynamic_slice_in_dim(x_qpc, r, block_m, axis=1), out_axes=1)(row0_t)
         shift_t = jnp.zeros_like(row0_t)
-    tiles = jnp.stack([group_t + first_expert, row0_t, rows_t, scale_t], axis=1)  # [T, 4]
+    tiles = jnp.stack([group_t + first_expert, read_t, rows_t, scale_t], axis=1)  # [T, 4]
     n_tiles = tiles.shape[0]
     scratch = [plgpu.SMEM((1, 4), jnp.int32), plgpu.SMEM(scale_smem, jnp.int32),
                plgpu.SMEM((features, window), jnp.float32), plgpu.Barrier()]
@@ -396,7 +420,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
         _body(*refs, n_k=k // (codes_per_word * words), window=window, features=features, words=words,
-              stages=stages, in_place=in_place, repacked=code_layout == "repacked", storage=storage,
+              stages=stages, in_place=row_source != "copied", repacked=code_layout == "repacked", storage=storage,
               interpret=interpret)
 
     kernel = plgpu.kernel(
