@@ -254,9 +254,9 @@ def zero_past(logits_bsv: jax.Array, lengths: jax.Array | None) -> jax.Array:
 
 
 def with_kernels(model: nnx.Module, kernels: str) -> nnx.Module:
-    """`model` with its kernel-backed operations (attention, the indexer, the experts, mHC's Sinkhorn) run
-    as `kernels` says (`dsjax.run_config.KERNELS`): a new module tree over the same weights (nothing is
-    copied). How the operations run is a run option, part of the programs and not of the architecture,
+    """`model` with its kernel-backed operations (attention, the indexer, the experts, mHC's Sinkhorn, FP8
+    linears) run as `kernels` says (`dsjax.run_config.KERNELS`): a new module tree over the same weights
+    (nothing is copied). How the operations run is a run option, part of the programs and not of the architecture,
     so it is set here and not in `ModelConfig`."""
     check_choice("kernels", kernels, KERNELS)
     model = nnx.merge(*nnx.split(model))

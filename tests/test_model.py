@@ -131,7 +131,8 @@ def test_with_kernels_sets_every_kernel_backed_operation_over_the_same_weights()
     def kinds(m):
         return {(type(mod).__name__, mod.kernels) for _, mod in nnx.iter_modules(m) if hasattr(mod, "kernels")}
 
-    assert kinds(chosen) == {(n, "interpret") for n in ("Attention", "Indexer", "RoutedExperts", "HyperConnection")}
+    assert kinds(chosen) == {(n, "interpret") for n in ("Attention", "Indexer", "RoutedExperts", "HyperConnection",
+                                                         "Linear", "GroupedLinear")}
     assert {k for _, k in kinds(model)} == {"auto"}
     assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(chosen))))
     assert nnx.split(chosen)[0] != nnx.split(model)[0]  # a different program, jit compiles it apart

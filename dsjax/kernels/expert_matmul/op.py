@@ -5,6 +5,8 @@ kernel for dense FP8 linears at decode (`dense_fp8_matmul`): a linear is one exp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -46,32 +48,36 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
     return dispatch(reference, kernels=kernels, gpu=gpu)
 
 
-# Rows up to which `dense_fp8_matmul` takes the kernel: decode. Past them (prefill) the weight's codes are
-# a small part of the work, and dequantizing once for XLA's tuned GEMM is the better trade.
-DENSE_MAX_ROWS = 256
+# Rows up to which `dense_fp8_matmul` takes the kernel (decode; past them, in prefill, the weight's codes are
+# a small part of the work and dequantizing once for XLA's tuned GEMM is the better trade). 0 for now: the
+# kernel is correct interpreted but not yet timed against XLA's dequantize-then-GEMM on a GPU
+# (`bench_kernels.py dense-fp8`, docs/kernels.md); 256 is the setting to measure.
+DENSE_MAX_ROWS = 0
 
 
 def dense_fp8_matmul(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, block: tuple[int, int] = (128, 128), *,
-                     kernels: str = "auto") -> jax.Array:
+                     kernels: str = "auto", reference: Callable[[], jax.Array] | None = None,
+                     max_rows: int | None = None) -> jax.Array:
     """`[G, P, K] · [G, N, K]ᵀ → [G, P, N]`: G dense FP8 linears (e4m3 with a scale per `block`,
     `scale [G, ⌈N/b0⌉, ⌈K/b1⌉]`), each over its own P rows (G = 1: one linear; G > 1: a grouped
     projection such as attention's output). Up to `DENSE_MAX_ROWS` rows on GPUs, with 128 × 128 blocks
     of ue8m0 scales, the Mosaic GPU expert kernel reads the codes once, as they are stored (each linear
     an expert that all its rows use), so no dequantized copy of the weight is written; elsewhere, and
-    where it does not tile, the weight is dequantized to x's dtype for one batched matmul."""
+    where it does not tile, the weight is dequantized to x's dtype for one batched matmul, or `reference()`
+    if given (a caller's own form of the same product). `max_rows` overrides `DENSE_MAX_ROWS`."""
     g, p, k = x_gpk.shape
     if w_gnk.shape[0] != g or w_gnk.shape[2] != k:
         raise ValueError(f"dense_fp8_matmul: weights {w_gnk.shape} do not match inputs {x_gpk.shape} ([G, N, K] "
                          "against [G, P, K])")
 
-    def reference():
+    def dequantized():
         return einsum("gpk,gnk->gpn", x_gpk, dequantize_fp8(w_gnk, scale, x_gpk.dtype, block))
 
     def mosaic(interpret: bool) -> jax.Array:
         return dense_fp8_mosaic(x_gpk, w_gnk, scale, interpret=interpret)
 
-    takes = p <= DENSE_MAX_ROWS and tuple(block) == (128, 128)
-    return dispatch(reference, kernels=kernels, gpu=[mosaic] if takes else [])
+    takes = p <= (DENSE_MAX_ROWS if max_rows is None else max_rows) and tuple(block) == (128, 128)
+    return dispatch(reference or dequantized, kernels=kernels, gpu=[mosaic] if takes else [])
 
 
 def dense_fp8_mosaic(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, *, interpret: bool = False) -> jax.Array:
