@@ -284,6 +284,45 @@ def test_op_takes_this_kernel_for_fp4_from_min_rows_on():
         assert f"tensor<{layer}>" not in text and f"tensor<1x{layer}>" not in text
 
 
+@pytest.mark.parametrize("storage,options", [
+    ("fp4", dict(code_layout="repacked")),
+    ("fp4", dict(row_source="aligned", block_m=8)),
+    ("fp4", dict(row_source="window", block_m=64)),
+    ("fp8", dict()),
+    ("fp8", dict(words=16, features=128)),
+    ("fp8", dict(row_source="aligned", block_m=64)),
+])
+def test_kernel_variants_lower_for_cuda(storage, options):
+    """Without a GPU, the interpreter runs the kernel's arithmetic but not Mosaic GPU's lowering, which
+    refuses some of what the interpreter takes (a scalar bitcast; a TMA read of a row count that is not a
+    multiple of 8): each variant lowered for cuda, as an export does, before it meets a GPU."""
+    q, s = experts(storage, 4, 128, 1024)
+    h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
+    fn = jax.jit(lambda x, g: expert_matmul_mosaic(x, q, s, g, storage=storage, **options))
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
+            jax.ShapeDtypeStruct((37, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((4,), jnp.int32)).mlir_module()
+    assert "dsjax_expert_matmul_mosaic" in text
+
+
+def test_op_switches_for_fp8_experts_and_aligned_rows(monkeypatch):
+    """The op's untimed choices, switched on: FP8 experts at decode take this kernel before the Triton one,
+    and "aligned" tiles read a scattered buffer (`P + 7 · min(E, P) + block_m` rows) instead of copies."""
+    from dsjax.kernels.expert_matmul import op
+
+    rows, e = mosaic_gpu.MIN_ROWS, 4
+    block_m = mosaic_gpu.tile_rows(rows, e)
+    copies = f"tensor<4x{-(-rows // block_m) + e}x{block_m}x256xf16>"  # [pairs, tiles, block_m, K/pairs]
+    assert copies in lowered_op("fp4", rows)
+    monkeypatch.setattr(op, "ROW_SOURCE", "aligned")
+    text = lowered_op("fp4", rows)
+    assert copies not in text and f"tensor<4x{-(-(rows + 7 * e + block_m) // 8) * 8}x256xf16>" in text
+    monkeypatch.setattr(op, "ROW_SOURCE", "window")  # P + block_m + 8 rows, up to a multiple of 8: 170 → 176
+    assert "dsjax_expert_matmul_mosaic" in lowered_op("fp4", rows + 2)
+    monkeypatch.setattr(op, "FP8_MOSAIC", True)
+    assert "dsjax_expert_matmul_mosaic" in lowered_op("fp8", 32)
+
+
 def test_op_tiles_by_rows_per_expert():
     """16-row tiles for decode, more rows a tile as the rows per expert grow (`TILE_ROWS`); the kernel's
     `[tiles, features, rows]` output shows which the op took."""

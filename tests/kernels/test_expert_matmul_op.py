@@ -35,7 +35,7 @@ def dequantized_matmul(x, q, s):
 def test_kernel_equals_the_dequantized_matmul(g, p, n, k):
     q, s = linears(g, n, k, seed=p)
     x = jnp.asarray(np.random.default_rng(p).standard_normal((g, p, k)) * 3, jnp.bfloat16)
-    got = dense_fp8_matmul(x, q, s, kernels="interpret")
+    got = dense_fp8_matmul(x, q, s, kernels="interpret", max_rows=256)
     assert got.shape == (g, p, n) and got.dtype == jnp.bfloat16
     want = dequantized_matmul(x, q, s)
     close(got, want)
@@ -43,8 +43,9 @@ def test_kernel_equals_the_dequantized_matmul(g, p, n, k):
 
 
 def test_kernel_runs_where_it_tiles_and_the_reference_where_it_does_not(monkeypatch):
-    """Interpreted, the kernel runs for decode rows with ue8m0 scales; fp32 scales (which the kernel's
-    power-of-two arithmetic cannot take) and prefill rows take the reference."""
+    """Interpreted, the kernel runs for up to `max_rows` rows with ue8m0 scales; fp32 scales (which the
+    kernel's power-of-two arithmetic cannot take), more rows, and the committed `DENSE_MAX_ROWS` (0) take
+    the reference."""
     tiled = []  # the kernel calls that returned (dispatch traces a kernel once to see whether it tiles)
     real = op.mosaic_gpu.expert_matmul_mosaic
 
@@ -56,14 +57,14 @@ def test_kernel_runs_where_it_tiles_and_the_reference_where_it_does_not(monkeypa
     monkeypatch.setattr(op.mosaic_gpu, "expert_matmul_mosaic", counted)
     x = jnp.ones((1, 16, 256), jnp.bfloat16)
     q, s = linears(1, 128, 256)
-    dense_fp8_matmul(x, q, s, kernels="interpret")
+    dense_fp8_matmul(x, q, s, kernels="interpret", max_rows=256)
     assert tiled and all(c["storage"] == "fp8" and c["block_m"] == 16 for c in tiled)
     tiled.clear()
     q32, s32 = linears(1, 128, 256, scale_fmt="float")
-    close(dense_fp8_matmul(x, q32, s32, kernels="interpret"), dequantized_matmul(x, q32, s32))
-    many = jnp.ones((1, op.DENSE_MAX_ROWS + 8, 256), jnp.bfloat16)
-    dense_fp8_matmul(many, q, s, kernels="interpret")
-    assert not tiled  # fp32 scales: refused with CannotTile; prefill rows: not tried
+    close(dense_fp8_matmul(x, q32, s32, kernels="interpret", max_rows=256), dequantized_matmul(x, q32, s32))
+    dense_fp8_matmul(jnp.ones((1, 264, 256), jnp.bfloat16), q, s, kernels="interpret", max_rows=256)
+    dense_fp8_matmul(x, q, s, kernels="interpret")  # DENSE_MAX_ROWS: 0 until the kernel is timed
+    assert not tiled  # fp32 scales: refused with CannotTile; rows past max_rows: not tried
 
 
 def test_other_blocks_take_the_dequantized_matmul():
@@ -71,7 +72,7 @@ def test_other_blocks_take_the_dequantized_matmul():
     w = np.random.default_rng(0).standard_normal((1, 96, 160))
     q, s = quantize_fp8(jnp.asarray(w, jnp.float32), (32, 32), "ue8m0")
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 8, 160)), jnp.bfloat16)
-    got = dense_fp8_matmul(x, q, s, (32, 32), kernels="interpret")
+    got = dense_fp8_matmul(x, q, s, (32, 32), kernels="interpret", max_rows=256)
     want = np.einsum("gpk,gnk->gpn", np.asarray(x, np.float32),
                      np.asarray(dequantize_fp8(q, s, jnp.bfloat16, (32, 32)), np.float32))
     close(got, want)
@@ -83,6 +84,20 @@ def test_weights_that_do_not_match_the_inputs_are_refused():
         dense_fp8_matmul(jnp.ones((1, 4, 256), jnp.bfloat16), q, s)
 
 
+@pytest.mark.parametrize("g,p", [(1, 3), (2, 40)])
+def test_the_kernel_lowers_for_cuda(g, p):
+    """Lowered for cuda as an export does (Mosaic GPU's lowering refuses some of what the interpreter runs)."""
+    from dsjax.export import abstract_device, disabled_checks
+
+    q, s = linears(g, 256, 512)
+    h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
+    fn = jax.jit(lambda x: op.dense_fp8_mosaic(x, q, s))
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
+            jax.ShapeDtypeStruct((g, p, 512), jnp.bfloat16)).mlir_module()
+    assert "dsjax_expert_matmul_mosaic" in text
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("g,n,k", [(1, 32768, 1024), (8, 1024, 4096), (1, 4096, 8192)])
 @pytest.mark.parametrize("p", [1, 32, 256])
@@ -90,4 +105,4 @@ def test_native_kernel_on_v4_flash_attention_linears(g, n, k, p):
     """Compiled, at V4-Flash's q_b, grouped o_a and o_b shapes and decode batches."""
     q, s = linears(g, n, k)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((g, p, k)), jnp.bfloat16)
-    close(dense_fp8_matmul(x, q, s), dequantized_matmul(x, q, s))
+    close(dense_fp8_matmul(x, q, s, max_rows=256), dequantized_matmul(x, q, s))

@@ -265,7 +265,9 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         acc_ref = None
         acc = pl.run_scoped(pipelined, plgpu.ACC((features, window), jnp.float32))
         if storage == "fp8":  # e4m3 · 2^-8 · 2^(s − s_max + 15) · 2^(s_max − 127) · 2^-7 = e4m3 · 2^(s − 127)
-            acc = acc * (pow2(top - 127) * 2.0 ** -7)
+            # (as an array: Mosaic GPU bitcasts arrays, not scalars)
+            top_fm = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=_WGMMA) * 0 + top
+            acc = acc * (pow2(top_fm - 127) * 2.0 ** -7)
         else:  # e2m1 · 2^-14 · 2^(s − s_max + 15) · 2^(s_max − 128) = e2m1 · 2^(s − 127)
             acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
         out_smem[...] = acc
@@ -392,7 +394,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
         padded = (sizes + 7) // 8 * 8
         moved_g = (jnp.cumsum(padded) - padded) - (jnp.cumsum(sizes) - sizes)
         group_p = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(p), side="right")
-        n_rows = p + 7 * min(groups, p) + window
+        n_rows = -(-(p + 7 * min(groups, p) + window) // 8) * 8  # TMA's tiled reads: a multiple of 8 rows
         # (dropped rows get distinct indices past the end, so that the indices stay unique and sorted)
         to_p = jnp.where(group_p < groups, jnp.arange(p) + moved_g[jnp.minimum(group_p, groups - 1)],
                          n_rows + jnp.arange(p))
@@ -401,7 +403,8 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
         read_t = row0_t + moved_g[group_t]
         shift_t = jnp.zeros_like(row0_t)
     elif row_source == "window":
-        x_in = renumbered(jnp.pad(pieces[0], ((0, window), (0, 0))), storage)  # [pairs, P + window, K/pairs]
+        # [pairs, P + window (and up to a multiple of 8, as TMA's tiled reads need), K/pairs]
+        x_in = renumbered(jnp.pad(pieces[0], ((0, window + (-(p + window) % 8)), (0, 0))), storage)
         shift_t = lax.rem(row0_t, 8)  # a tile's row i is row shift + i of its window
     else:
         x_qpc = renumbered(jnp.pad(pieces[0], ((0, window), (0, 0))), storage)  # [pairs, P + window, K/pairs]

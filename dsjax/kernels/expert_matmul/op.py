@@ -21,6 +21,11 @@ from dsjax.stacked import StackedSlice, as_array
 # Rows per expert above which dequantizing the experts once (reference) beats the Triton kernel, which
 # reads an expert's codes again for every 16 of its rows; decode steps have a few rows per expert.
 KERNEL_MAX_ROWS_PER_EXPERT = 64
+# Choices built but not yet timed on a GPU (docs/kernels.md; `scripts/measure_lowprec_decode.sh` times
+# them): where the Mosaic kernel's tiles read their rows ("copied", or "aligned": no tile copies), and
+# whether FP8 experts at decode take the Mosaic kernel before the Triton one.
+ROW_SOURCE = "copied"
+FP8_MOSAIC = False
 
 
 def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.Array | StackedSlice,
@@ -37,11 +42,13 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
         stacks = dict(w_enk=w_enk.stack, scale=scale.stack, layer=w_enk.index)
     else:
         stacks = dict(w_enk=as_array(w_enk), scale=as_array(scale))
-    if storage == "fp4" and x_pk.shape[0] >= mosaic_gpu.MIN_ROWS:
-        block_m = mosaic_gpu.tile_rows(x_pk.shape[0], e)
-        gpu.append(lambda interpret: mosaic_gpu.expert_matmul_mosaic(x_pk, group_sizes_e=group_sizes_e, block_m=block_m,
-                                                                     interpret=interpret, **stacks))
     few_rows = x_pk.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT * e
+    if (storage == "fp4" and x_pk.shape[0] >= mosaic_gpu.MIN_ROWS) or (
+            storage == "fp8" and FP8_MOSAIC and few_rows and tuple(block) == (128, 128)):
+        block_m = mosaic_gpu.tile_rows(x_pk.shape[0], e)
+        gpu.append(lambda interpret: mosaic_gpu.expert_matmul_mosaic(
+            x_pk, group_sizes_e=group_sizes_e, storage=storage, block_m=block_m, row_source=ROW_SOURCE,
+            interpret=interpret, **stacks))
     if few_rows and (storage == "fp4" or tuple(block) == (128, 128)):
         gpu.append(lambda interpret: expert_matmul_gpu(x_pk, group_sizes_e=group_sizes_e, storage=storage,
                                                        interpret=interpret, **stacks))
