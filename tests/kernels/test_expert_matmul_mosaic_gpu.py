@@ -356,19 +356,24 @@ def test_refuses_what_it_does_not_take_with_a_clear_error(change, message, until
     assert isinstance(err.value, CannotTile) == untileable
 
 
+def native_case(storage: str, k: int, seed: int):
+    """V4-Flash's expert widths (gate_up 4096 inputs, down_proj 2048), 16 experts of 512 outputs, 32 tokens'
+    worth of rows (192) routed at random: (x, codes, scales, group sizes)."""
+    e, n = 16, 512
+    q, s = experts(storage, e, n, k)
+    rng = np.random.default_rng(seed)
+    sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
+    return jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16), q, s, sizes
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("k", [4096, 2048])
 @pytest.mark.parametrize("block_m,row_source", [(16, "copied"), (16, "window"), (64, "window"), (16, "aligned"),
                                                 (8, "aligned"), (64, "aligned")])
 def test_native_kernel_matches_reference(k, block_m, row_source):
     """Compiled (the register reinterpretation and register-A wgmma, which the interpreter replaces):
-    V4-Flash's expert widths (gate_up 4096 inputs, down_proj 2048), 32 tokens' worth of rows; decode and
-    prefill tiles, copied out or read in place (wgmma's N of 24 and 72)."""
-    e, n = 16, 512
-    q, s = experts("fp4", e, n, k)
-    rng = np.random.default_rng(1)
-    sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
-    x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
+    decode and prefill tiles, copied out or read in place (wgmma's N of 24 and 72)."""
+    x, q, s, sizes = native_case("fp4", k, seed=1)
     close(expert_matmul_mosaic(x, q, s, sizes, block_m=block_m, row_source=row_source),
           expert_matmul_reference(x, q, s, sizes, "fp4"))
 
@@ -378,11 +383,7 @@ def test_native_kernel_matches_reference(k, block_m, row_source):
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_native_kernel_on_fp8_experts_matches_reference(k, block_m):
     """Compiled, FP8 experts at V4-Flash's expert widths: the scalar scale read and the e4m3 decode."""
-    e, n = 16, 512
-    q, s = experts("fp8", e, n, k)
-    rng = np.random.default_rng(3)
-    sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
-    x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
+    x, q, s, sizes = native_case("fp8", k, seed=3)
     close(expert_matmul_mosaic(x, q, s, sizes, storage="fp8", block_m=block_m),
           expert_matmul_reference(x, q, s, sizes, "fp8"))
 
@@ -392,11 +393,7 @@ def test_native_kernel_on_fp8_experts_matches_reference(k, block_m):
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_native_kernel_on_repacked_codes_gives_the_same_result_bit_for_bit(k, block_m):
     """Compiled, on V4-Flash's expert widths: the repacked decode's result equals the checkpoint order's."""
-    e, n = 16, 512
-    q, s = experts("fp4", e, n, k)
-    rng = np.random.default_rng(2)
-    sizes = jnp.asarray(rng.multinomial(192, np.ones(e) / e), jnp.int32)
-    x = jnp.asarray(rng.standard_normal((192, k)), jnp.bfloat16)
+    x, q, s, sizes = native_case("fp4", k, seed=2)
     got = expert_matmul_mosaic(x, repack_codes(q), s, sizes, block_m=block_m, code_layout="repacked")
     want = expert_matmul_mosaic(x, q, s, sizes, block_m=block_m)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
