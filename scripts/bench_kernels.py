@@ -438,6 +438,16 @@ def bench_grouped_matmul(args, cfg, bandwidth):
     return rows
 
 
+def random_codes(key, shape, storage: str):
+    """Random stored weight bytes of `shape` (last axis a multiple of 4): FP4 pairs as int8, or e4m3 codes
+    but NaN (S.1111.111, moved one step down)."""
+    codes = jax.lax.bitcast_convert_type(jax.random.bits(key, (*shape[:-1], shape[-1] // 4), jnp.uint32),
+                                         jnp.uint8).reshape(shape)
+    if storage == "fp8":
+        return jax.lax.bitcast_convert_type(jnp.where(codes & 0x7F == 0x7F, codes - 1, codes), jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(codes, jnp.int8)
+
+
 def bench_fp4_experts(args, cfg, bandwidth, storage: str = "fp4"):
     """The MoE's two grouped matmuls over FP4 experts (random e2m1 codes, ue8m0 scales spread over 2^10,
     new scales for each input set), or with `fp8-experts` over FP8 ones (random e4m3 codes but NaN, a scale
@@ -461,12 +471,7 @@ def bench_fp4_experts(args, cfg, bandwidth, storage: str = "fp4"):
         m = tokens * k
         k0, k2 = jax.random.split(jax.random.key(tokens))
         per_byte = 2 if storage == "fp4" else 1  # codes per byte
-        codes = jax.lax.bitcast_convert_type(jax.random.bits(k0, (e, n_dim, k_dim // per_byte // 4), jnp.uint32),
-                                             jnp.uint8).reshape(e, n_dim, k_dim // per_byte)
-        if storage == "fp8":  # e4m3fn's NaN (S.1111.111) one step down
-            codes = jax.lax.bitcast_convert_type(jnp.where(codes & 0x7F == 0x7F, codes - 1, codes), jnp.float8_e4m3fn)
-        else:
-            codes = jax.lax.bitcast_convert_type(codes, jnp.int8)
+        codes = random_codes(k0, (e, n_dim, k_dim // per_byte), storage)
         scale_shape = ((e, n_dim, k_dim // FP4_GROUP) if storage == "fp4"
                        else (e, -(-n_dim // 128), k_dim // 128))
         sizes = jnp.bincount(jax.random.randint(k2, (m,), 0, e), length=e).astype(jnp.int32)
@@ -549,9 +554,7 @@ def bench_dense_fp8(args, cfg, bandwidth):
 
         def make_set(i, g=g, n=n, k=k, tokens=tokens, scale_shape=scale_shape):
             key_w, key_s, key_x = jax.random.split(jax.random.key(1000 * tokens + i), 3)
-            codes = jax.lax.bitcast_convert_type(jax.random.bits(key_w, (g, n, k // 4), jnp.uint32),
-                                                 jnp.uint8).reshape(g, n, k)
-            codes = jax.lax.bitcast_convert_type(jnp.where(codes & 0x7F == 0x7F, codes - 1, codes), jnp.float8_e4m3fn)
+            codes = random_codes(key_w, (g, n, k), "fp8")
             scale = jax.random.randint(key_s, scale_shape, 119, 129).astype(jnp.uint8)
             return jax.random.normal(key_x, (g, tokens, k), jnp.bfloat16), codes, scale
 

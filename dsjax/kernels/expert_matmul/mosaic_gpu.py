@@ -177,6 +177,12 @@ def _e4m3_pairs(words):
     return [low, high]
 
 
+def _splat(value, like):
+    """A traced scalar as an array shaped and laid out as `like` (a WGMMA-layout array): Mosaic GPU
+    bitcasts and multiplies arrays of registers, not scalars."""
+    return like * 0 + value
+
+
 def _column(block, c):
     """Column c (a traced index) of an int32 `[64, 8]` block, as one value per row."""
     col = plgpu.broadcasted_iota(jnp.int32, block.shape, 1, layout=_WGMMA)
@@ -227,7 +233,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
             (kb,) = idx
             codes = plgpu.load(codes_smem, layout=_WGMMA)  # [64, words] int32
             if storage == "fp8":  # one 128-block per step or two: the same scale for the whole step
-                relative = _as_fp16((j & 0) | s_smem[0, kb * words // 32], interpret)
+                relative = _as_fp16(_splat(s_smem[0, kb * words // 32], j), interpret)
                 decoded = _e4m3_pairs(codes)
             else:
                 c8 = pl.multiple_of(kb * per_step // 8 * 8, 8)
@@ -265,8 +271,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         acc_ref = None
         acc = pl.run_scoped(pipelined, plgpu.ACC((features, window), jnp.float32))
         if storage == "fp8":  # e4m3 · 2^-8 · 2^(s − s_max + 15) · 2^(s_max − 127) · 2^-7 = e4m3 · 2^(s − 127)
-            # (as an array: Mosaic GPU bitcasts arrays, not scalars)
-            top_fm = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=_WGMMA) * 0 + top
+            top_fm = _splat(top, plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=_WGMMA))
             acc = acc * (pow2(top_fm - 127) * 2.0 ** -7)
         else:  # e2m1 · 2^-14 · 2^(s − s_max + 15) · 2^(s_max − 128) = e2m1 · 2^(s − 127)
             acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
@@ -342,7 +347,8 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
         raise CannotTile(f"expert_matmul_mosaic: {storage.upper()} experts need ue8m0 (power-of-two) scales, got "
                          f"{scale.dtype}")
-    codes_per_word = 2 * _pairs_per_word(storage)
+    pairs = _pairs_per_word(storage)
+    codes_per_word = 2 * pairs
     if storage == "fp4":
         stored_k, scale_shape = k // 2, (e, n, k // FP4_GROUP)
     else:
@@ -374,7 +380,6 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
                 scale_t = group_t
             scale = jnp.pad(scale, ((0, 0), (0, 0), (0, scale_words - k // 128)))
         scale_smem = (features, scale_words)
-    pairs = _pairs_per_word(storage)
     smem = (stages * (features * words * 4 + pairs * window * 2 * words * 2)  # the pipeline's codes and inputs
             + scale_smem[0] * scale_smem[1] * 4 + features * window * 4 + 16)  # scales, results, tile
     if smem > SMEM_BYTES:
