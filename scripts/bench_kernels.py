@@ -532,7 +532,7 @@ def dense_fp8_shapes(cfg) -> list[tuple[str, int, int, int]]:
     query up-projection, grouped output projection and output projection, the query down-projection
     and the shared experts'."""
     h, heads, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    shared = cfg.moe_intermediate_size * max(1, cfg.n_shared_experts)
+    shared = cfg.moe_intermediate_size * max(1, getattr(cfg, "n_shared_experts", 1))  # V4.1: one shared expert
     return [("q_b", 1, heads * d, cfg.q_lora_rank), ("o_a", cfg.o_groups, cfg.o_lora_rank, heads * d // cfg.o_groups),
             ("o_b", 1, h, cfg.o_groups * cfg.o_lora_rank), ("shared_gate", 1, shared, h), ("shared_down", 1, h, shared),
             ("q_a", 1, cfg.q_lora_rank, h)]
@@ -542,7 +542,7 @@ def bench_dense_fp8(args, cfg, bandwidth):
     """Dense FP8 linears at decode (`--tokens` rows), in the preset's block size (random e4m3 codes but NaN,
     ue8m0 scales spread over 2^10, new weights for each input set so that L2 serves no repeat): XLA on the
     dequantized weight as the model runs them (`xla`) against the Mosaic GPU expert kernel reading the codes
-    (`op.dense_fp8_mosaic`, `mosaic_fp8`; it takes 128 × 128 blocks only). Each row has the bytes a kernel
+    (`op.dense_fp8_mosaic`, `mosaic_fp8`; V4's 128 × 128 blocks and V4.1's 32 × 32). Each row has the bytes a kernel
     must move at least (codes, scales, rows in and out) and their share of the copy bandwidth; errors are
     against the `xla` row."""
     from dsjax.kernels.expert_matmul.op import dense_fp8_matmul, dense_fp8_mosaic
@@ -562,7 +562,7 @@ def bench_dense_fp8(args, cfg, bandwidth):
         n_bytes = codes.size + scale.size + g * tokens * (k + n) * 2
         want = None
         impls = {"xla": functools.partial(dense_fp8_matmul, block=block, kernels="reference"),
-                 "mosaic_fp8": functools.partial(dense_fp8_mosaic, interpret=args.interpret)}  # raises where it cannot
+                 "mosaic_fp8": functools.partial(dense_fp8_mosaic, block=block, interpret=args.interpret)}  # raises where it cannot
         for impl, kernel in impls.items():
             try:
                 got = np.asarray(jax.jit(kernel)(x, codes, scale), np.float32)

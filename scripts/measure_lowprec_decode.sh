@@ -3,17 +3,20 @@
 # runs now, and the model's decode with each candidate switched on (the op's constants, set for one run from
 # Python, nothing edited). Rows and logs go to OUT; a short table is printed last.
 #
-#   bash scripts/measure_lowprec_decode.sh OUT [tests|kernels|model|all]
+#   bash scripts/measure_lowprec_decode.sh OUT [tests|kernels|model|v41|all]
 #
 # - tests:   the native kernel tests (`-k native`) of the expert kernel and dense_fp8_matmul.
 # - kernels: bench_kernels.py fp4-experts (rows copied or aligned, checkpoint or repacked codes), fp8-experts
 #            (Mosaic against Triton), dense-fp8 (the kernel against XLA's dequantize-then-GEMM).
 # - model:   dsjax bench, V4-Flash width, 4 layers, release storage, batch 32 and 128, 512-token prompts:
 #            as committed, then with op.DENSE_MAX_ROWS = 256, then with op.ROW_SOURCE = "aligned".
+# - v41:     the same for V4.1-Flash in its released storage (32 × 32 FP8 blocks): dense-fp8 at its widths, then
+#            dsjax bench on the 8-layer slice of docs/benchmarks.md, as committed and with DENSE_MAX_ROWS = 256.
 set -uo pipefail
-out=${1:?usage: measure_lowprec_decode.sh OUT [tests|kernels|model|all]}
+usage="usage: measure_lowprec_decode.sh OUT [tests|kernels|model|v41|all]"
+out=${1:?$usage}
 what=${2:-all}
-case "$what" in all|tests|kernels|model) ;; *) echo "usage: measure_lowprec_decode.sh OUT [tests|kernels|model|all]" >&2; exit 2 ;; esac
+case "$what" in all|tests|kernels|model|v41) ;; *) echo "$usage" >&2; exit 2 ;; esac
 mkdir -p "$out"
 py=${PYTHON:-python3}
 run() {  # name, seconds, command...: output into $out/<name>.log, exit status appended
@@ -33,21 +36,29 @@ if [ "$what" = all ] || [ "$what" = kernels ]; then
   run dense_fp8 200 "$py" scripts/bench_kernels.py dense-fp8 --preset v4-flash --tokens 1 32 128 256 \
     --json "$out/kernels.jsonl"
 fi
-if [ "$what" = all ] || [ "$what" = model ]; then
-  for variant in committed dense256 aligned; do
-    case $variant in
-      committed) set_op="" ;;
-      dense256) set_op="op.DENSE_MAX_ROWS = 256" ;;
-      aligned) set_op="op.ROW_SOURCE = 'aligned'" ;;
-    esac
-    run "model_$variant" 400 "$py" -c "
+model() {  # name, "python statement setting op's switches", bench arguments...: one dsjax bench run
+  local name=$1 set_op=$2; shift 2
+  local args; args=$(printf "'%s', " "$@")
+  run "$name" 400 "$py" -c "
 import sys
 import dsjax.kernels.expert_matmul.op as op
 $set_op
 from dsjax.cli import main
-sys.exit(main(['bench', '--preset', 'v4-flash', '--layers', '4', '--weights', 'keep', '--slots', '32', '128',
-               '--prompt-len', '512', '--gen-len', '64', '--chunk-size', 'auto', '--json', '$out/model_$variant.jsonl']))"
-  done
+sys.exit(main(['bench', $args '--slots', '32', '128', '--prompt-len', '512', '--gen-len', '64',
+               '--chunk-size', 'auto', '--json', '$out/$name.jsonl']))"
+}
+if [ "$what" = all ] || [ "$what" = model ]; then
+  v4=(--preset v4-flash --layers 4 --weights keep)
+  model model_committed "" "${v4[@]}"
+  model model_dense256 "op.DENSE_MAX_ROWS = 256" "${v4[@]}"
+  model model_aligned "op.ROW_SOURCE = 'aligned'" "${v4[@]}"
+fi
+if [ "$what" = all ] || [ "$what" = v41 ]; then
+  run dense_fp8_v41 200 "$py" scripts/bench_kernels.py dense-fp8 --preset v4.1-flash --tokens 1 32 128 256 \
+    --json "$out/kernels.jsonl"
+  v41=(--preset v4.1-flash --layers 0,1,2,3,20,21,24,25 --engram-rows 4194304 --weights keep)
+  model model_v41_committed "" "${v41[@]}"
+  model model_v41_dense256 "op.DENSE_MAX_ROWS = 256" "${v41[@]}"
 fi
 "$py" - "$out" <<'PY'
 import json, pathlib, sys
@@ -58,7 +69,7 @@ if (out / "kernels.jsonl").exists():
     for line in (out / "kernels.jsonl").read_text().splitlines():
         r = json.loads(line)
         what = r.get("matmul") or r.get("linear")
-        how = " ".join(str(r[k]) for k in ("impl", "row_source", "code_layout") if k in r)
+        how = " ".join(str(r[k]) for k in ("impl", "block", "row_source", "code_layout") if k in r)
         print(f"{r['op']:12s} {what:12s} {r.get('tokens', r.get('rows')):>4} {how:38s} {r['kernel_ms']:8.3f} ms "
               f"{100 * r['of_copy']:5.1f}% max_diff {r['max_diff']:.3g}")
 for rows in sorted(out.glob("model_*.jsonl")):

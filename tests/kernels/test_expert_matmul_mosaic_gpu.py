@@ -112,15 +112,32 @@ def test_fp8_experts_match_reference(sizes, extra, k, n, options):
     close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp8")[:sum(sizes)])
 
 
-def test_fp8_experts_of_a_stacked_layer_equal_the_layer_cut_out():
-    layers = [experts("fp8", 3, 128, 512, seed=s) for s in range(2)]
+@pytest.mark.parametrize("sizes,extra,k,n,options", [
+    ([3, 0, 17, 1, 6], 3, 1280, 192, dict()),  # 10 scale words a row, padded to 16; six 32-row blocks
+    ([40, 0, 9], 3, 640, 64, dict(block_m=32, words=16, row_source="aligned")),  # steps of half a scale word
+    ([1, 1, 1, 1, 1], 3, 384, 128, dict(features=128)),
+])
+def test_fp8_experts_in_32_blocks_match_reference(sizes, extra, k, n, options):
+    """V4.1's FP8 storage (a ue8m0 scale per 32 × 32 block): each row given its block's scales, then
+    FP4's per-row, per-32-input scale path with FP8's decode."""
+    q, s = experts("fp8", len(sizes), n, k, seed=4, block=32)
+    x = jnp.asarray(np.random.default_rng(extra).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = expert_matmul_mosaic(x, q, s, group_sizes, storage="fp8", fp8_block=32, interpret=True, **options)
+    assert got.shape == (sum(sizes) + extra, n) and got.dtype == jnp.bfloat16
+    close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp8", (32, 32))[:sum(sizes)])
+
+
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_experts_of_a_stacked_layer_equal_the_layer_cut_out(block):
+    layers = [experts("fp8", 3, 128, 512, seed=s, block=block) for s in range(2)]
     q, s = jnp.stack([w for w, _ in layers]), jnp.stack([sc for _, sc in layers])
     x = jnp.asarray(np.random.default_rng(4).standard_normal((12, 512)), jnp.bfloat16)
     sizes = jnp.asarray([5, 0, 6], jnp.int32)
-    got = expert_matmul_mosaic(x, q, s, sizes, jnp.int32(1), storage="fp8", interpret=True)
-    alone = expert_matmul_mosaic(x, q[1], s[1], sizes, storage="fp8", interpret=True)
+    got = expert_matmul_mosaic(x, q, s, sizes, jnp.int32(1), storage="fp8", fp8_block=block, interpret=True)
+    alone = expert_matmul_mosaic(x, q[1], s[1], sizes, storage="fp8", fp8_block=block, interpret=True)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alone, np.float32))
-    close(got[:11], expert_matmul_reference(x, q[1], s[1], sizes, "fp8")[:11])
+    close(got[:11], expert_matmul_reference(x, q[1], s[1], sizes, "fp8", (block, block))[:11])
 
 
 def test_fp8_block_scales_relative_to_the_rows_largest_are_exact_down_to_2_pow_minus_22():
@@ -138,10 +155,36 @@ def test_fp8_block_scales_relative_to_the_rows_largest_are_exact_down_to_2_pow_m
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.full((1, n), want, np.float32))
 
 
+@pytest.mark.parametrize("words", [32, 16])
+def test_fp8_32_blocks_relative_to_the_rows_largest_are_exact_down_to_2_pow_minus_22(words):
+    """In 32 × 32 blocks a step's inputs (128, or 64 with 16 words) span several blocks and a program's
+    64 outputs two rows of them: each input's block is found, each row scaled relative to its own largest
+    block (2^22 below it exact, 2^30 below zero), and the second step of a scale word (16 words) reads
+    its second half."""
+    n, k = 64, 256
+    columns = [0, 32, 64, 96, 160, 224]
+    values = [448.0, 2.0 ** -9, 2.0 ** -9, 1.0, 3.0, 2.0 ** -9]
+    exps = np.asarray([[10, -12, -20, 0, 0, 2, 0, -30],    # outputs 0-31: largest 2^10
+                       [0, 3, -19, -1, 0, -4, 0, -19]])  # outputs 32-63: largest 2^3
+    q = np.zeros((1, n, k), np.float32)
+    q[:, :, columns] = values
+    codes, scale = jnp.asarray(q, jnp.float8_e4m3fn), jnp.asarray(exps[None] + 127, jnp.uint8)
+    sizes = jnp.asarray([1], jnp.int32)
+    for column, value in zip(columns, values):
+        x = jnp.zeros((1, k), jnp.bfloat16).at[0, column].set(1)
+        got = np.asarray(expert_matmul_mosaic(x, codes, scale, sizes, storage="fp8", fp8_block=32, words=words,
+                                              interpret=True), np.float32)
+        for rows, row_exps in ((slice(0, 32), exps[0]), (slice(32, 64), exps[1])):
+            e = row_exps[column // 32]
+            want = value * 2.0 ** e if e >= row_exps.max() - 22 else 0.0
+            np.testing.assert_array_equal(got[0, rows], np.full(32, want, np.float32), err_msg=f"input {column}")
+
+
 @pytest.mark.parametrize("options,message", [
     (dict(storage="fp6"), "storage must be 'fp4' or 'fp8', got 'fp6'"),
     (dict(storage="fp8", words=64), "FP8: 16 or 32, a step within one 128-block"),
     (dict(storage="fp8", code_layout="repacked"), "code_layout 'repacked' is for FP4 codes"),
+    (dict(storage="fp8", fp8_block=64), r"fp8_block must be one of \(128, 32\), got 64"),
 ])
 def test_fp8_options_it_does_not_take_are_refused(options, message):
     q, s = experts("fp8", 2, 64, 512)
@@ -304,12 +347,14 @@ def test_op_takes_this_kernel_for_fp4_from_min_rows_on():
     ("fp8", dict()),
     ("fp8", dict(words=16, features=128)),
     ("fp8", dict(row_source="aligned", block_m=64)),
+    ("fp8", dict(fp8_block=32)),
+    ("fp8", dict(fp8_block=32, words=16, features=128)),
 ])
 def test_kernel_variants_lower_for_cuda(storage, options):
     """Without a GPU, the interpreter runs the kernel's arithmetic but not Mosaic GPU's lowering, which
     refuses some of what the interpreter takes (a scalar bitcast; a TMA read of a row count that is not a
     multiple of 8): each variant lowered for cuda, as an export does, before it meets a GPU."""
-    q, s = experts(storage, 4, 128, 1024)
+    q, s = experts(storage, 4, 128, 1024, block=options.get("fp8_block", 128))
     h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
     fn = jax.jit(lambda x, g: expert_matmul_mosaic(x, q, s, g, storage=storage, **options))
     with jax.sharding.use_abstract_mesh(h200):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.expert_matmul import op
 from dsjax.kernels.expert_matmul.op import dense_fp8_matmul
 from dsjax.quant import dequantize_fp8, quantize_fp8
@@ -14,16 +15,17 @@ from tests.kernels.test_expert_matmul_mosaic_gpu import close
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def linears(g: int, n: int, k: int, seed: int = 0, scale_fmt: str = "ue8m0"):
-    """G random `[N, K]` weights as V4 stores them (e4m3, 128 × 128 blocks), scales spread over 2^10."""
+def linears(g: int, n: int, k: int, seed: int = 0, scale_fmt: str = "ue8m0", block=(128, 128)):
+    """G random `[N, K]` weights as V4 stores them (e4m3, 128 × 128 blocks; V4.1: `block` (32, 32)),
+    scales spread over 2^10."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((g, n, k)) * np.logspace(-3, 0, k)[None, None, rng.permutation(k)]
-    return quantize_fp8(jnp.asarray(w, jnp.float32), (128, 128), scale_fmt)
+    return quantize_fp8(jnp.asarray(w, jnp.float32), block, scale_fmt)
 
 
-def dequantized_matmul(x, q, s):
-    return np.einsum("gpk,gnk->gpn", np.asarray(x, np.float32), np.asarray(dequantize_fp8(q, s, jnp.bfloat16),
-                                                                          np.float32))
+def dequantized_matmul(x, q, s, block=(128, 128)):
+    return np.einsum("gpk,gnk->gpn", np.asarray(x, np.float32),
+                     np.asarray(dequantize_fp8(q, s, jnp.bfloat16, block), np.float32))
 
 
 @pytest.mark.parametrize("g,p,n,k", [
@@ -67,15 +69,29 @@ def test_kernel_runs_where_it_tiles_and_the_reference_where_it_does_not(monkeypa
     assert not tiled  # fp32 scales: refused with CannotTile; rows past max_rows: not tried
 
 
-def test_other_blocks_take_the_dequantized_matmul():
-    """V4.1's 32 × 32 blocks: the kernel takes 128 × 128 only, so even "interpret" dequantizes."""
-    w = np.random.default_rng(0).standard_normal((1, 96, 160))
-    q, s = quantize_fp8(jnp.asarray(w, jnp.float32), (32, 32), "ue8m0")
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 8, 160)), jnp.bfloat16)
+@pytest.mark.parametrize("g,p,n,k", [
+    (1, 1, 192, 1280),  # V4.1's widths in miniature: 10 scale words a row (padded to 16)
+    (4, 12, 128, 256),  # a grouped projection
+])
+def test_kernel_on_v41_32_blocks_equals_the_dequantized_matmul(g, p, n, k):
+    """V4.1's storage (32 × 32 blocks of ue8m0 scales) through the same kernel."""
+    q, s = linears(g, n, k, seed=p, block=(32, 32))
+    x = jnp.asarray(np.random.default_rng(p).standard_normal((g, p, k)) * 3, jnp.bfloat16)
     got = dense_fp8_matmul(x, q, s, (32, 32), kernels="interpret", max_rows=256)
-    want = np.einsum("gpk,gnk->gpn", np.asarray(x, np.float32),
-                     np.asarray(dequantize_fp8(q, s, jnp.bfloat16, (32, 32)), np.float32))
-    close(got, want)
+    assert got.shape == (g, p, n)
+    close(got, dequantized_matmul(x, q, s, (32, 32)))
+
+
+def test_other_blocks_take_the_dequantized_matmul(monkeypatch):
+    """Blocks the kernel does not read (here 64 × 64; it reads 128 × 128 and 32 × 32): even "interpret"
+    dequantizes, and `dense_fp8_mosaic` alone says why."""
+    monkeypatch.setattr(op.mosaic_gpu, "expert_matmul_mosaic", lambda *a, **kw: pytest.fail("the kernel was tried"))
+    q, s = linears(1, 128, 256, block=(64, 64))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 8, 256)), jnp.bfloat16)
+    got = dense_fp8_matmul(x, q, s, (64, 64), kernels="interpret", max_rows=256)
+    close(got, dequantized_matmul(x, q, s, (64, 64)))
+    with pytest.raises(CannotTile, match=r"square scale blocks of \(128, 32\), not \(64, 64\)"):
+        op.dense_fp8_mosaic(x, q, s, (64, 64), interpret=True)
 
 
 def test_weights_that_do_not_match_the_inputs_are_refused():
@@ -84,14 +100,14 @@ def test_weights_that_do_not_match_the_inputs_are_refused():
         dense_fp8_matmul(jnp.ones((1, 4, 256), jnp.bfloat16), q, s)
 
 
-@pytest.mark.parametrize("g,p", [(1, 3), (2, 40)])
-def test_the_kernel_lowers_for_cuda(g, p):
+@pytest.mark.parametrize("g,p,block", [(1, 3, (128, 128)), (2, 40, (128, 128)), (1, 3, (32, 32))])
+def test_the_kernel_lowers_for_cuda(g, p, block):
     """Lowered for cuda as an export does (Mosaic GPU's lowering refuses some of what the interpreter runs)."""
     from dsjax.export import abstract_device, disabled_checks
 
-    q, s = linears(g, 256, 512)
+    q, s = linears(g, 256, 512, block=block)
     h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
-    fn = jax.jit(lambda x: op.dense_fp8_mosaic(x, q, s))
+    fn = jax.jit(lambda x: op.dense_fp8_mosaic(x, q, s, block))
     with jax.sharding.use_abstract_mesh(h200):
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
             jax.ShapeDtypeStruct((g, p, 512), jnp.bfloat16)).mlir_module()
@@ -106,3 +122,13 @@ def test_native_kernel_on_v4_flash_attention_linears(g, n, k, p):
     q, s = linears(g, n, k)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((g, p, k)), jnp.bfloat16)
     close(dense_fp8_matmul(x, q, s, max_rows=256), dequantized_matmul(x, q, s))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("g,n,k", [(1, 32768, 1280), (1, 1280, 5120), (1, 5120, 8192)])
+@pytest.mark.parametrize("p", [1, 32, 256])
+def test_native_kernel_on_v41_flash_attention_linears(g, n, k, p):
+    """Compiled, at V4.1-Flash's wq_b, wq_a and wo_b shapes in its 32 × 32 blocks."""
+    q, s = linears(g, n, k, block=(32, 32))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((g, p, k)), jnp.bfloat16)
+    close(dense_fp8_matmul(x, q, s, (32, 32), max_rows=256), dequantized_matmul(x, q, s, (32, 32)))

@@ -15,12 +15,13 @@ from dsjax.quant import quantize_fp4, quantize_fp8
 from dsjax.stacked import StackedSlice
 
 
-def experts(storage: str, e: int, n: int, k: int, seed: int = 0):
-    """Random experts `[E, N, K]` quantized as the checkpoint stores them, with a wide spread of scales."""
+def experts(storage: str, e: int, n: int, k: int, seed: int = 0, block: int = 128):
+    """Random experts `[E, N, K]` quantized as the checkpoint stores them, with a wide spread of scales
+    (FP8: in `block` × `block` blocks)."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((e, n, k)) * np.logspace(-4, 0, k)[None, None, rng.permutation(k)]
     w = jnp.asarray(w, jnp.float32)
-    return quantize_fp4(w) if storage == "fp4" else quantize_fp8(w, (128, 128), "ue8m0")
+    return quantize_fp4(w) if storage == "fp4" else quantize_fp8(w, (block, block), "ue8m0")
 
 
 @pytest.mark.parametrize("storage", ["fp8", "fp4"])

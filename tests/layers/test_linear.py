@@ -13,8 +13,8 @@ from dsjax.numerics import einsum
 from tests.kernels.test_expert_matmul_mosaic_gpu import close
 
 
-def fp8(module):
-    return module(rngs=nnx.Rngs(0), dtype=jnp.bfloat16, std=1.0, quant=QuantConfig())
+def fp8(module, block=(128, 128)):
+    return module(rngs=nnx.Rngs(0), dtype=jnp.bfloat16, std=1.0, quant=QuantConfig(weight_block_size=block))
 
 
 def grouped_product(layer, x):
@@ -37,18 +37,20 @@ def test_fp8_linears_compute_the_dequantized_product_by_default():
                                                                                   np.float32))
 
 
-def test_fp8_linears_through_the_kernel_equal_the_dequantized_product(monkeypatch):
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
+def test_fp8_linears_through_the_kernel_equal_the_dequantized_product(monkeypatch, block):
+    """V4's blocks and V4.1's."""
     monkeypatch.setattr(op, "DENSE_MAX_ROWS", 256)
     calls = []
     real = op.dense_fp8_mosaic
     monkeypatch.setattr(op, "dense_fp8_mosaic", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 256)) * 3, jnp.bfloat16)
-    layer = fp8(lambda **kw: Linear(256, 192, **kw))
+    layer = fp8(lambda **kw: Linear(256, 192, **kw), block)
     layer.kernels = "interpret"
     got = layer(x)
     assert got.shape == (2, 3, 192) and (1, 6, 256) in calls
     close(got, einsum("...i,oi->...o", x, layer.dense_weight(x.dtype)))
-    grouped = fp8(lambda **kw: GroupedLinear(256, 2 * 128, 2, **kw))
+    grouped = fp8(lambda **kw: GroupedLinear(256, 2 * 128, 2, **kw), block)
     grouped.kernels = "interpret"
     xg = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 2, 256)) * 3, jnp.bfloat16)
     got = grouped(xg)

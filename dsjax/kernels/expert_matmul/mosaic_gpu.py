@@ -63,7 +63,8 @@ _SIGNS = int(np.uint32(0x80008000).view(np.int32))  # the sign bits of two fp16s
 _MAGNITUDES = 0x0E000E00  # where an e2m1 magnitude sits in each of two fp16s (`e2m1 · 2^-14`)
 _SIGNED_MAGNITUDES = int(np.uint32(0x8E008E00).view(np.int32))  # both
 _E4M3_MAGNITUDES = 0x3F803F80  # where an e4m3's exponent and mantissa sit in each of two fp16s (`e4m3 · 2^-8`)
-_FP8_BLOCK = 128  # FP8 experts' scale blocks: 128 outputs × 128 inputs
+_FP8_BLOCK = 128  # FP8 experts' scale blocks: 128 outputs × 128 inputs (V4), or FP8_BLOCKS' other (V4.1)
+FP8_BLOCKS = (128, 32)  # the square FP8 scale blocks the kernel reads: V4's 128 × 128 and V4.1's 32 × 32
 CODE_LAYOUTS = ("checkpoint", "repacked")
 ROW_SOURCES = ("copied", "window", "aligned")  # where a program reads its tile's rows (`expert_matmul_mosaic`)
 # The repacked layout (`repack_codes`): in each int32 word, pair p's two magnitudes at bits
@@ -198,9 +199,11 @@ def _tiled(columns: int, itemsize: int) -> tuple:
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
           window: int, features: int, words: int, stages: int, in_place: bool, repacked: bool, storage: str,
-          interpret: bool):
+          row_scales: bool, interpret: bool):
     """One program: `window` rows of one expert (the tile's copy, or `in_place` the sorted rows from the
-    multiple of 8 at or before its first) against `features` of its outputs."""
+    multiple of 8 at or before its first) against `features` of its outputs. `row_scales`: the scales
+    arrive as FP4's, a ue8m0 byte per row and 32 inputs (FP4, and FP8 in 32 × 32 blocks, whose rows
+    the wrapper gave each its block's scales); else FP8's 128-blocks as `_fp8_scale_rows` made them."""
     t, nb = lax.axis_index("t"), lax.axis_index("n")
     plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
     plgpu.barrier_wait(bar)
@@ -215,7 +218,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
     @pl.when(rows > 0)
     def _():
         j = plgpu.broadcasted_iota(jnp.int32, (features, words), 1, layout=_WGMMA)
-        if storage == "fp8":
+        if not row_scales:
             # The program's one row of 128-blocks (`_fp8_scale_rows`): each step's scale as fp16 bits, then
             # the row's largest exponent.
             plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0 // _FP8_BLOCK, 1)], s_smem, bar)
@@ -227,25 +230,32 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
             everything = plgpu.load(s_smem, layout=_WGMMA, optimized=False)
             top = functools.reduce(jnp.maximum, [lax.shift_right_logical(everything, 8 * q) & 0xFF for q in range(4)])
             top = jnp.max(top, axis=1)  # each row's largest ue8m0 exponent
-        per_step = words // 16  # FP4 scale words per step: four groups of four code words each
+        # A scale word holds four 32-input groups: 16 code words of FP4, 32 of FP8. A step spans
+        # `per_step` scale words, or (FP8, 16 words a step) half of one.
+        per_scale_word = 16 if storage == "fp4" else 32
+        per_step = max(1, words // per_scale_word)
+        per_group = per_scale_word // 4
 
         def step(idx, codes_smem, *x_smem):
             (kb,) = idx
             codes = plgpu.load(codes_smem, layout=_WGMMA)  # [64, words] int32
-            if storage == "fp8":  # one 128-block per step or two: the same scale for the whole step
+            if not row_scales:  # one 128-block per step or two: the same scale for the whole step
                 relative = _as_fp16(_splat(s_smem[0, kb * words // 32], j), interpret)
-                decoded = _e4m3_pairs(codes)
             else:
-                c8 = pl.multiple_of(kb * per_step // 8 * 8, 8)
+                first = kb * words // per_scale_word
+                c8 = pl.multiple_of(first // 8 * 8, 8)
                 block = plgpu.load(s_smem.at[:, pl.ds(c8, 8)], layout=_WGMMA, optimized=False)
+                # word j's place from the start of its step's first scale word
+                at = j if words % per_scale_word == 0 else j + lax.rem(kb * words, per_scale_word)
                 group = jnp.zeros((features, words), jnp.int32)
-                for i in range(per_step):  # word j's group: byte (j // 4) % 4 of scale word j // 16
-                    sw = lax.broadcast_in_dim(_column(block, kb * per_step + i - c8), (features, words), (0,))
-                    group = jnp.where(j // 16 == i, lax.shift_right_logical(sw, 8 * ((j // 4) % 4)) & 0xFF, group)
+                for i in range(per_step):  # word j's group: byte (at // per_group) % 4 of scale word at // per_scale_word
+                    sw = lax.broadcast_in_dim(_column(block, first + i - c8), (features, words), (0,))
+                    group = jnp.where(at // per_scale_word == i,
+                                      lax.shift_right_logical(sw, 8 * ((at // per_group) % 4)) & 0xFF, group)
                 # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
                 biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, words), (0,)) + 30, 0, 31) << 10
                 relative = _as_fp16(biased | (biased << 16), interpret)
-                decoded = _pairs(codes, repacked)
+            decoded = _e4m3_pairs(codes) if storage == "fp8" else _pairs(codes, repacked)
             for p, pair in enumerate(decoded):
                 a = _as_fp16(pair, interpret) * relative
                 if interpret:  # the interpreter takes wgmma's A from shared memory only
@@ -270,9 +280,11 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
 
         acc_ref = None
         acc = pl.run_scoped(pipelined, plgpu.ACC((features, window), jnp.float32))
-        if storage == "fp8":  # e4m3 · 2^-8 · 2^(s − s_max + 15) · 2^(s_max − 127) · 2^-7 = e4m3 · 2^(s − 127)
+        if not row_scales:  # e4m3 · 2^-8 · 2^(s − s_max + 15) · 2^(s_max − 127) · 2^-7 = e4m3 · 2^(s − 127)
             top_fm = _splat(top, plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=_WGMMA))
             acc = acc * (pow2(top_fm - 127) * 2.0 ** -7)
+        elif storage == "fp8":  # the same, with each row's own s_max
+            acc = acc * lax.broadcast_in_dim(pow2(top - 127) * 2.0 ** -7, acc.shape, (0,))
         else:  # e2m1 · 2^-14 · 2^(s − s_max + 15) · 2^(s_max − 128) = e2m1 · 2^(s − 127)
             acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
         out_smem[...] = acc
@@ -293,14 +305,15 @@ def _fp8_scale_rows(scale_ebk: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("storage", "block_m", "features", "words", "stages", "row_source",
-                                             "code_layout", "interpret"))
+                                             "code_layout", "fp8_block", "interpret"))
 def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
                          layer: jax.Array | None = None, *, storage: str = "fp4", block_m: int = BLOCK_M,
                          features: int = FEATURES, words: int = WORDS, stages: int = STAGES, row_source: str = "copied",
-                         code_layout: str = "checkpoint", interpret: bool = False) -> jax.Array:
+                         code_layout: str = "checkpoint", fp8_block: int = 128, interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, storage)` as a Mosaic GPU
     kernel, for FP4 experts (`[E, N, K/2]` e2m1 pairs, a ue8m0 scale per row and 32 inputs) or FP8 ones
-    (`[E, N, K]` e4m3, a ue8m0 scale per 128 × 128 block). With `layer`, `w_enk` and `scale` are a stack
+    (`[E, N, K]` e4m3, a ue8m0 scale per `fp8_block` × `fp8_block` block: 128 as V4 stores them, or 32 as
+    V4.1 does, whose scales are repeated here to a row each, FP4's layout: 1/32 of the codes' bytes). With `layer`, `w_enk` and `scale` are a stack
     of such experts and scales (`[L, E, …]`) and the kernel reads entry `layer` where it lies. `block_m`
     rows of one expert per program (wgmma's N): an expert's codes are decoded once per `block_m` of its
     rows, so prefill wants many; `features` output features per program (64 or 128: one or two wgmma row
@@ -314,7 +327,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     start at a multiple of 8, then read where they lie, `block_m` of them. `code_layout` (FP4): "checkpoint" for
     `w_enk` as checkpoints hold it, "repacked" for `repack_codes(w_enk)` (fewer decode operations; same
     result bit for bit). FP8 scales are taken relative to the largest of their row of blocks in fp16:
-    exact while a block's scale is at least 2^-22 of it. Raises CannotTile for what it does not take:
+    exact while a block's scale is at least 2^-22 of it (FP4's: 2^-24). Raises CannotTile for what it does not take:
     non-bf16 activations, float scales, widths that do not tile (FP4: K a multiple of 256, FP8: of 128;
     N of 64)."""
     p, k = x_pk.shape
@@ -337,6 +350,8 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
         raise ValueError(f"expert_matmul_mosaic: stages must be at least 1, got {stages}")
     if code_layout not in CODE_LAYOUTS:
         raise ValueError(f"expert_matmul_mosaic: code_layout must be one of {CODE_LAYOUTS}, got {code_layout!r}")
+    if fp8_block not in FP8_BLOCKS:
+        raise ValueError(f"expert_matmul_mosaic: fp8_block must be one of {FP8_BLOCKS}, got {fp8_block}")
     if code_layout != "checkpoint" and storage != "fp4":
         raise ValueError(f"expert_matmul_mosaic: code_layout {code_layout!r} is for FP4 codes; FP8 codes are read "
                          "as the checkpoint holds them")
@@ -352,7 +367,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     if storage == "fp4":
         stored_k, scale_shape = k // 2, (e, n, k // FP4_GROUP)
     else:
-        stored_k, scale_shape = k, (e, -(-n // _FP8_BLOCK), k // _FP8_BLOCK)
+        stored_k, scale_shape = k, (e, -(-n // fp8_block), -(-k // fp8_block))
     if (k % (codes_per_word * words) or k % _FP8_BLOCK or n % features or w_enk.shape[2] != stored_k
             or jnp.dtype(w_enk.dtype).itemsize != 1 or scale.shape != scale_shape):
         raise CannotTile(f"expert_matmul_mosaic: {storage.upper()} experts {w_enk.dtype} {w_enk.shape} with scales "
@@ -361,23 +376,24 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     window = block_m + 8 if row_source == "window" else block_m  # rows each program reads and computes
     group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
     scale_t = group_t + first_expert
-    if storage == "fp8":
-        if layer is not None:  # this layer's scales only
-            scale = lax.dynamic_slice_in_dim(scale, first_expert, group_sizes_e.shape[0], axis=0)
-            scale_t = group_t
+    row_scales = storage == "fp4" or fp8_block == 32
+    scale_words = -(-k // 1024) * 8
+    if layer is not None and (not row_scales or storage == "fp8" or scale_words != k // 128):
+        # the scales are rewritten below: this layer's only
+        scale = lax.dynamic_slice_in_dim(scale, first_expert, group_sizes_e.shape[0], axis=0)
+        scale_t = group_t
+    if not row_scales:
         scale = _fp8_scale_rows(scale)
         scale_smem = (1, scale.shape[-1])
     else:
+        scale = lax.bitcast_convert_type(scale, jnp.uint8)
+        if storage == "fp8":  # each row its 32-block's scales: FP4's layout, a byte per row and 32 inputs
+            scale = jnp.repeat(scale, fp8_block, axis=1)
         # Free view: four groups' scales per int32 word (little-endian).
-        scale = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint8).reshape(e, n, k // 128, 4),
-                                         jnp.int32)
-        scale_words = -(-k // 1024) * 8
+        scale = lax.bitcast_convert_type(scale.reshape(scale.shape[0], n, k // 128, 4), jnp.int32)
         if scale_words != k // 128:  # V4.1's down_proj (2,304 inputs: 18 words a row)
             # The scales' TMA copy and their WGMMA-layout load take rows of whole 8-word tiles: pad with zero
-            # bytes (2^-127, under every real scale, so each row's largest is unchanged), this layer's only.
-            if layer is not None:
-                scale = lax.dynamic_slice_in_dim(scale, first_expert, group_sizes_e.shape[0], axis=0)
-                scale_t = group_t
+            # bytes (2^-127, under every real scale, so each row's largest is unchanged).
             scale = jnp.pad(scale, ((0, 0), (0, 0), (0, scale_words - k // 128)))
         scale_smem = (features, scale_words)
     smem = (stages * (features * words * 4 + pairs * window * 2 * words * 2)  # the pipeline's codes and inputs
@@ -429,7 +445,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
         _body(*refs, n_k=k // (codes_per_word * words), window=window, features=features, words=words,
               stages=stages, in_place=row_source != "copied", repacked=code_layout == "repacked", storage=storage,
-              interpret=interpret)
+              row_scales=row_scales, interpret=interpret)
 
     kernel = plgpu.kernel(
         dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, window), jnp.float32),

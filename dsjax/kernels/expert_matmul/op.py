@@ -10,7 +10,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from dsjax.kernels.dispatch import dispatch
+from dsjax.kernels.dispatch import CannotTile, dispatch
 from dsjax.kernels.expert_matmul import mosaic_gpu
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
 from dsjax.kernels.expert_matmul.triton import expert_matmul_gpu
@@ -44,15 +44,21 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
         stacks = dict(w_enk=as_array(w_enk), scale=as_array(scale))
     few_rows = x_pk.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT * e
     if (storage == "fp4" and x_pk.shape[0] >= mosaic_gpu.MIN_ROWS) or (
-            storage == "fp8" and FP8_MOSAIC and few_rows and tuple(block) == (128, 128)):
+            storage == "fp8" and FP8_MOSAIC and few_rows and _mosaic_fp8_block(block)):
         block_m = mosaic_gpu.tile_rows(x_pk.shape[0], e)
+        fp8_block = _mosaic_fp8_block(block) or 128
         gpu.append(lambda interpret: mosaic_gpu.expert_matmul_mosaic(
             x_pk, group_sizes_e=group_sizes_e, storage=storage, block_m=block_m, row_source=ROW_SOURCE,
-            interpret=interpret, **stacks))
+            fp8_block=fp8_block, interpret=interpret, **stacks))
     if few_rows and (storage == "fp4" or tuple(block) == (128, 128)):
         gpu.append(lambda interpret: expert_matmul_gpu(x_pk, group_sizes_e=group_sizes_e, storage=storage,
                                                        interpret=interpret, **stacks))
     return dispatch(reference, kernels=kernels, gpu=gpu)
+
+
+def _mosaic_fp8_block(block: tuple[int, int]) -> int | None:
+    """The Mosaic kernel's `fp8_block` for FP8 scale blocks of `block`, or None where it reads no such blocks."""
+    return block[0] if block[0] == block[1] and block[0] in mosaic_gpu.FP8_BLOCKS else None
 
 
 # Rows up to which `dense_fp8_matmul` takes the kernel (decode; past them, in prefill, the weight's codes are
@@ -67,8 +73,8 @@ def dense_fp8_matmul(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, block
                      max_rows: int | None = None) -> jax.Array:
     """`[G, P, K] · [G, N, K]ᵀ → [G, P, N]`: G dense FP8 linears (e4m3 with a scale per `block`,
     `scale [G, ⌈N/b0⌉, ⌈K/b1⌉]`), each over its own P rows (G = 1: one linear; G > 1: a grouped
-    projection such as attention's output). Up to `DENSE_MAX_ROWS` rows on GPUs, with 128 × 128 blocks
-    of ue8m0 scales, the Mosaic GPU expert kernel reads the codes once, as they are stored (each linear
+    projection such as attention's output). Up to `DENSE_MAX_ROWS` rows on GPUs, with ue8m0 scales over
+    128 × 128 blocks (V4) or 32 × 32 (V4.1), the Mosaic GPU expert kernel reads the codes once, as they are stored (each linear
     an expert that all its rows use), so no dequantized copy of the weight is written; elsewhere, and
     where it does not tile, the weight is dequantized to x's dtype for one batched matmul, or `reference()`
     if given (a caller's own form of the same product). `max_rows` overrides `DENSE_MAX_ROWS`."""
@@ -81,17 +87,22 @@ def dense_fp8_matmul(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, block
         return einsum("gpk,gnk->gpn", x_gpk, dequantize_fp8(w_gnk, scale, x_gpk.dtype, block))
 
     def mosaic(interpret: bool) -> jax.Array:
-        return dense_fp8_mosaic(x_gpk, w_gnk, scale, interpret=interpret)
+        return dense_fp8_mosaic(x_gpk, w_gnk, scale, block, interpret=interpret)
 
-    takes = p <= (DENSE_MAX_ROWS if max_rows is None else max_rows) and tuple(block) == (128, 128)
+    takes = p <= (DENSE_MAX_ROWS if max_rows is None else max_rows) and _mosaic_fp8_block(block) is not None
     return dispatch(reference or dequantized, kernels=kernels, gpu=[mosaic] if takes else [])
 
 
-def dense_fp8_mosaic(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, *, interpret: bool = False) -> jax.Array:
+def dense_fp8_mosaic(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, block: tuple[int, int] = (128, 128), *,
+                     interpret: bool = False) -> jax.Array:
     """`dense_fp8_matmul` by the Mosaic GPU kernel alone (CannotTile where it does not apply): the G
     linears as G experts, P rows each, in tiles of up to `mosaic_gpu.MAX_DENSE_BLOCK_M` rows."""
     g, p, k = x_gpk.shape
+    fp8_block = _mosaic_fp8_block(tuple(block))
+    if fp8_block is None:
+        raise CannotTile(f"dense_fp8_mosaic: the kernel reads square scale blocks of {mosaic_gpu.FP8_BLOCKS}, "
+                         f"not {tuple(block)}")
     block_m = min(mosaic_gpu.MAX_DENSE_BLOCK_M, -(-p // 8) * 8)
     y = mosaic_gpu.expert_matmul_mosaic(x_gpk.reshape(g * p, k), w_gnk, scale, jnp.full((g,), p, jnp.int32),
-                                        storage="fp8", block_m=block_m, interpret=interpret)
+                                        storage="fp8", block_m=block_m, fp8_block=fp8_block, interpret=interpret)
     return y.reshape(g, p, -1)
