@@ -69,14 +69,15 @@ def test_decode_tiles_read_from_a_window_match_reference():
     close(got[:sum(sizes)], expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
 
 
-_PREFILL_TILINGS = [(32, 64, 32, 2), (64, 64, 32, 2), (128, 64, 32, 2), (64, 128, 32, 2),
-                    (128, 64, 16, 3), (256, 64, 16, 2), (64, 64, 64, 2)]  # the prefill sweep's widths and depths
+# The prefill sweep's widths and depths, one of each: 32 to 128 rows, 128 features, 16 to 64 words, 3 stages
+# (256 rows: the aligned case below).
+_PREFILL_TILINGS = [(32, 64, 32, 2), (64, 128, 32, 2), (128, 64, 16, 3), (64, 64, 64, 2)]
 
 
 @pytest.mark.parametrize("block_m,features,words,stages,row_source", [
     *[(*tiling, "copied") for tiling in _PREFILL_TILINGS],
     # the in-place reads: the same kernel path for both, one program shape each besides the 256-row refusal
-    (32, 64, 32, 2, "window"), (128, 64, 16, 3, "window"), (256, 64, 16, 2, "window"),
+    (32, 64, 32, 2, "window"), (256, 64, 16, 2, "window"),
     (64, 128, 32, 2, "aligned"), (256, 64, 16, 2, "aligned"),
 ])
 def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, words, stages, row_source):
@@ -115,7 +116,6 @@ def test_fp8_experts_match_reference(sizes, extra, k, n, options):
 @pytest.mark.parametrize("sizes,extra,k,n,options", [
     ([3, 0, 17, 1, 6], 3, 1280, 192, dict()),  # 10 scale words a row, padded to 16; six 32-row blocks
     ([40, 0, 9], 3, 640, 64, dict(block_m=32, words=16, row_source="aligned")),  # steps of half a scale word
-    ([1, 1, 1, 1, 1], 3, 384, 128, dict(features=128)),
 ])
 def test_fp8_experts_in_32_blocks_match_reference(sizes, extra, k, n, options):
     """V4.1's FP8 storage (a ue8m0 scale per 32 × 32 block): each row given its block's scales, then
@@ -293,16 +293,17 @@ def test_kernel_reads_one_layer_of_stacked_experts_in_place():
 
 
 def test_kernel_reads_one_layer_of_stacked_experts_whose_scales_it_pads():
-    """2,304 inputs (V4.1's down_proj): the layer's scale rows are padded out of the stack."""
-    check_stacked_layers([experts("fp4", 3, 64, 2304, seed=s) for s in range(2)], 2304)
+    """2,304 inputs (V4.1's down_proj): the layer's scale rows are padded out of the stack (the second
+    layer's: the first's stand where the stack's do)."""
+    check_stacked_layers([experts("fp4", 3, 64, 2304, seed=s) for s in range(2)], 2304, checked=(1,))
 
 
-def check_stacked_layers(layers, k):
+def check_stacked_layers(layers, k, checked=(0, 1)):
     q, s = jnp.stack([w for w, _ in layers]), jnp.stack([sc for _, sc in layers])
     rows = mosaic_gpu.MIN_ROWS
     sizes = jnp.asarray([50, 0, rows - 60], jnp.int32)  # ten rows routed to no expert
     x = jnp.asarray(np.random.default_rng(4).standard_normal((rows, k)), jnp.bfloat16)
-    for layer in range(2):
+    for layer in checked:
         index = jnp.int32(layer)
         got = expert_matmul_mosaic(x, q, s, sizes, index, interpret=True)[:rows - 10]
         alone = expert_matmul_mosaic(x, q[layer], s[layer], sizes, interpret=True)[:rows - 10]
