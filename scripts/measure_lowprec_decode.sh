@@ -10,8 +10,9 @@
 #            (Mosaic against Triton), dense-fp8 (the kernel against XLA's dequantize-then-GEMM).
 # - model:   dsjax bench, V4-Flash width, 4 layers, release storage, batch 32 and 128, 512-token prompts:
 #            as committed, then with op.DENSE_MAX_ROWS = 256, then with op.ROW_SOURCE = "aligned".
-# - v41:     the same for V4.1-Flash in its released storage (32 × 32 FP8 blocks): dense-fp8 at its widths, then
-#            dsjax bench on the 8-layer slice of docs/benchmarks.md, as committed and with DENSE_MAX_ROWS = 256.
+# - v41:     the same for V4.1-Flash in its released storage (32 × 32 FP8 blocks, the FP4 cache's records): dense-fp8
+#            at its widths, then dsjax bench on the 8-layer slice of docs/benchmarks.md with --kv-dtype fp4, as
+#            committed and with DENSE_MAX_ROWS = 256.
 set -uo pipefail
 usage="usage: measure_lowprec_decode.sh OUT [tests|kernels|model|v41|all]"
 out=${1:?$usage}
@@ -56,7 +57,7 @@ fi
 if [ "$what" = all ] || [ "$what" = v41 ]; then
   run dense_fp8_v41 200 "$py" scripts/bench_kernels.py dense-fp8 --preset v4.1-flash --tokens 1 32 128 256 \
     --json "$out/kernels.jsonl"
-  v41=(--preset v4.1-flash --layers 0,1,2,3,20,21,24,25 --engram-rows 4194304 --weights keep)
+  v41=(--preset v4.1-flash --layers 0,1,2,3,20,21,24,25 --engram-rows 4194304 --weights keep --kv-dtype fp4)
   model model_v41_committed "" "${v41[@]}"
   model model_v41_dense256 "op.DENSE_MAX_ROWS = 256" "${v41[@]}"
 fi

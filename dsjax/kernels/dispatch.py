@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsjax.cache_formats import Records
 from dsjax.parallel.rules import slot_axes
 
 
@@ -62,12 +61,6 @@ def dispatch(reference: Callable[[], jax.Array], *, kernels: str,
     if not branches:
         return reference()
     return jax.lax.platform_dependent(**branches, default=reference)
-
-
-def reads_records(kernels: str, *stores) -> str:
-    """`kernels`, or "reference" where a store is a V4.1 packed one (`cache_formats.Records`): no kernel
-    reads those records yet, and the references unpack them."""
-    return "reference" if any(isinstance(s, Records) for s in stores) else kernels
 
 
 def over_slots(op: Callable[..., jax.Array], slots: dict, shared: dict | None = None) -> jax.Array:

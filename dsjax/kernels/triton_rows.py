@@ -4,6 +4,9 @@ loads and dequantizes one piece of a block of rows.
 Triton tiles only power-of-two widths, and V4's rows are not: 448 quantized channels and a 64-wide
 bf16 rotary slice. So a row is read as pieces: the whole row for float storage; for fp8 one piece
 per scale group, for fp4 one per 64 columns (32 bytes, two scale groups); then the rotary slice.
+V4.1's MXFP4 records (`cache_formats.Records`, its index keys) hold the same fp4 codes and ue8m0 scales
+as one `[data | scales]` byte row: their pieces read both from that one array, the scales from the
+column where they start.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dsjax.cache_formats import Records
 from dsjax.kernels.dispatch import CannotTile
 from dsjax.quant import FP4_GROUP, PackedKV, ue8m0_to_float
 
@@ -22,11 +26,13 @@ _FP4_PIECE = 64  # columns per fp4 piece: 32 bytes, two scale groups
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """Columns `[col, col + width)` of a row, stored as `kind`: "float", "fp8", "fp4" or "rope"."""
+    """Columns `[col, col + width)` of a row, stored as `kind`: "float", "fp8", "fp4" or "rope"; an fp4
+    piece's scales start at column `scale_col` of the scale array (records: the same array as the codes)."""
 
     kind: str
     col: int
     width: int
+    scale_col: int = 0
 
 
 def _power_of_two(n: int) -> bool:
@@ -34,7 +40,13 @@ def _power_of_two(n: int) -> bool:
 
 
 def row_pieces(rows, width: int, what: str) -> tuple[Piece, ...]:
-    """How a kernel tiles one row of `rows` (array or PackedKV); refuses layouts Triton cannot tile."""
+    """How a kernel tiles one row of `rows` (array, PackedKV or MXFP4 Records); refuses layouts Triton
+    cannot tile."""
+    if isinstance(rows, Records):
+        if rows.fmt != "mxfp4" or rows.dim != width or width % _FP4_PIECE:
+            raise CannotTile(f"GPU kernel: {what} rows are {rows.fmt} records of {rows.dim} channels; it reads "
+                             f"mxfp4 records of a multiple of {_FP4_PIECE} channels only")
+        return tuple(Piece("fp4", c, _FP4_PIECE, scale_col=width // 2) for c in range(0, width, _FP4_PIECE))
     if not isinstance(rows, PackedKV):
         if not _power_of_two(width) or width < 16:
             raise CannotTile(f"GPU kernel: {what} rows of {width} channels; it needs a power of two ≥ 16")
@@ -78,15 +90,17 @@ def load_piece(refs, piece: Piece, rows_k, dtype, scaled: bool = True):
     # Low nibble = even column: interleave the two halves back into column order.
     values = jnp.stack([_e2m1(byte & 0xF), _e2m1(byte >> 4)], axis=-1).reshape(byte.shape[0], piece.width)
     g = piece.col // FP4_GROUP
-    s0 = ue8m0_to_float(scales_ref[rows_k, pl.ds(g, 1)])
-    s1 = ue8m0_to_float(scales_ref[rows_k, pl.ds(g + 1, 1)])
+    s0 = ue8m0_to_float(scales_ref[rows_k, pl.ds(piece.scale_col + g, 1)])
+    s1 = ue8m0_to_float(scales_ref[rows_k, pl.ds(piece.scale_col + g + 1, 1)])
     column = jax.lax.broadcasted_iota(jnp.int32, (1, piece.width), 1)
     return (values * jnp.where(column < FP4_GROUP, s0, s1)).astype(dtype)
 
 
 def storage(rows) -> list[jax.Array]:
     """The arrays a kernel receives for `rows`, in `load_piece`'s order (a zero-width rotary slice is
-    left out)."""
+    left out; records: their one byte array as both codes and scales)."""
+    if isinstance(rows, Records):
+        return [rows.data, rows.data]
     if not isinstance(rows, PackedKV):
         return [rows]
     return [rows.codes, rows.scales] + ([rows.rope] if rows.rope.shape[-1] else [])

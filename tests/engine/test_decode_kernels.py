@@ -7,11 +7,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dsjax.bench import v41_slice
+from dsjax.cache import init_cache
 from dsjax.config import ModelConfig
+from dsjax.config_v41 import V41Config
 from dsjax.engine.engine import Engine
 from dsjax.engine.generate import generate
 from dsjax.engine.sampling import SamplingParams
 from dsjax.model import DeepseekV4, with_kernels
+from dsjax.model_v41 import DeepseekV41
 from dsjax.presets import PRESETS
 from dsjax.run_config import RunConfig
 
@@ -106,3 +110,49 @@ def test_greedy_decode_with_kernels_gives_the_references_tokens(kv_dtype, dtype,
             if n < len(ref_tokens):
                 assert ref_gap[n] < 5e-2, f"step {n}: tokens differ though the reference's margin is {ref_gap[n]}"
             np.testing.assert_allclose(lp_got[:n], lp_ref[:n], atol=5e-2)
+
+
+def v41_model(kernels: str) -> DeepseekV41:
+    """tiny-v4.1's layers 2 and 3 (a ratio-2 Full KV source, with a window, entries and index keys, and a
+    Reindex layer on its keys) at shapes the GPU kernels tile (16 query heads of 64, 16 index heads of 64),
+    fp32, random sinks."""
+    cfg = v41_slice(V41Config.preset("tiny-v4.1"), [2, 3]).replace(
+        num_attention_heads=16, index_n_heads=16, index_head_dim=64)
+    m = DeepseekV41(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param)):
+        if path[-1] == "sinks":
+            var.set_value(jax.random.normal(jax.random.key(len(path)), var.get_value().shape, jnp.float32))
+    return with_kernels(m, kernels)
+
+
+def test_v41_in_its_release_cache_storage_runs_the_kernels_and_gives_the_references_logits():
+    """DeepSeek-V4.1 with its release's packed cache (`kv_dtype` "fp4": an MXFP8 window, NVFP4 entries,
+    MXFP4 index keys): prefill and decode run the attention and indexer kernels (interpreted here) on the
+    records, and the logits equal the references' (fp32: only summation orders differ)."""
+    b, prompt, total = 2, 21, 24
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 250, (b, total)), jnp.int32)
+    logits = {}
+    for kernels in ("reference", "auto" if ON_GPU else "interpret"):
+        m = v41_model(kernels)
+        graphdef, params = nnx.split(m)
+
+        def step(params, cache, tokens, start, n_valid):
+            model = nnx.merge(graphdef, params)
+            hidden, cache = model.extend(tokens, cache, start, n_valid)
+            return cache, model.logits(hidden)
+
+        cache = init_cache(m, b, 32, kv_dtype="fp4")
+        start, n = jnp.zeros((b,), jnp.int32), jnp.full((b,), prompt, jnp.int32)
+        if kernels != "reference":
+            for tokens, name in ((ids[:, :prompt], "dsjax_sparse_prefill"), (ids[:, :1], "dsjax_sparse_decode")):
+                text = str(jax.make_jaxpr(step)(params, cache, tokens, start, n))
+                assert name in text and "dsjax_index_scores" in text, name
+        step = jax.jit(step)
+        cache, out = step(params, cache, ids[:, :prompt], start, n)
+        steps = [out[:, -1]]
+        for p in range(prompt, total):
+            cache, out = step(params, cache, ids[:, p:p + 1], jnp.full((b,), p, jnp.int32), jnp.ones((b,), jnp.int32))
+            steps.append(out[:, 0])
+        logits[kernels] = np.stack([np.asarray(s) for s in steps], 1)
+    want, got = logits["reference"], logits["auto" if ON_GPU else "interpret"]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

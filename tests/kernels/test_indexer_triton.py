@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsjax.cache_formats import Records
 from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.indexer.reference import index_scores_chunk_reference, index_scores_reference
 from dsjax.kernels.indexer.triton import fuses, index_scores_chunk_gpu, index_scores_gpu
@@ -16,12 +17,15 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 def inputs(seed, kv_dtype="fp8", b=3, h=16, c=64, t=300, dtype=jnp.bfloat16, group=64):
+    """`kv_dtype`: "fp8" or "fp4" (V4's PackedKV), "mxfp4" (V4.1's index key records), a float dtype's name."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(b, h, c)), dtype)
     w = jnp.asarray(rng.normal(size=(b, h)), jnp.float32)  # head weights of both signs
     keys = jnp.asarray(rng.normal(size=(b, t, c)), jnp.bfloat16 if kv_dtype != "float32" else jnp.float32)
-    if kv_dtype == "fp8":
-        keys = pack_kv(keys, "fp8", 0, group)
+    if kv_dtype in ("fp8", "fp4"):
+        keys = pack_kv(keys, kv_dtype, 0, group)
+    elif kv_dtype == "mxfp4":
+        keys = Records.of(keys, "mxfp4")
     n = rng.integers(1, t + 1, size=b)
     n[0] = 0
     return q, w, keys, jnp.asarray(n, jnp.int32), c ** -0.5
@@ -40,10 +44,24 @@ def test_kernel_matches_reference(seed, kv_dtype, shape, tiling):
     assert_close(got[live], want[live], rtol=2e-3 if kv_dtype != "float32" else 1e-5)
 
 
-def test_fp4_keys_are_refused():
-    q, w, keys, n, scale = inputs(4)
-    with pytest.raises(CannotTile, match="fp8 or float, got fp4"):
-        index_scores_gpu(q, w, pack_kv(jnp.zeros((3, 300, 64)), "fp4", 0), n, scale, interpret=True)
+@pytest.mark.parametrize("kv_dtype,c", [("mxfp4", 128), ("fp4", 64)])
+def test_fp4_keys_match_reference(kv_dtype, c):
+    """V4.1's MXFP4 index key records (`[64 code bytes | 4 scale bytes]` a key at V4.1's width 128), read
+    as stored, and V4's fp4 PackedKV: the same scores as the reference's over the dequantized keys."""
+    args = inputs(4, kv_dtype, c=c)
+    want = np.asarray(index_scores_reference(*args))
+    got = np.asarray(index_scores_gpu(*args, interpret=not ON_GPU))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    live = ~np.isneginf(want)
+    assert_close(got[live], want[live], rtol=2e-3)
+
+
+def test_records_it_does_not_read_are_refused():
+    q, w, _, n, scale = inputs(4, "bfloat16")
+    for keys, message in ((Records.of(jnp.zeros((3, 300, 64)), "mxfp8"), "mxfp8 records of 64 channels"),
+                          (Records.of(jnp.zeros((3, 300, 96)), "mxfp4"), "mxfp4 records of 96 channels")):
+        with pytest.raises(CannotTile, match=message):
+            index_scores_gpu(q[..., :keys.dim], w, keys, n, scale, interpret=True)
 
 
 @pytest.mark.parametrize("magnitude", [1e6, 1e-7])
@@ -74,7 +92,8 @@ def chunk_inputs(seed, kv_dtype="bfloat16", b=2, c_len=7, h=16, c=64, t=300, dty
 
 @pytest.mark.parametrize("seed,kv_dtype,shape,tiling", [
     (0, "bfloat16", {}, {}), (1, "bfloat16", {"c_len": 16, "t": 700}, {"block_q": 8, "block_t": 32, "tiles": 4}),
-    (2, "fp8", {"c": 128, "group": 128}, {"block_q": 2}), (3, "float32", {"dtype": jnp.float32}, {"block_q": 3})])
+    (2, "fp8", {"c": 128, "group": 128}, {"block_q": 2}), (3, "float32", {"dtype": jnp.float32}, {"block_q": 3}),
+    (4, "mxfp4", {"c": 128, "h": 32}, {"block_q": 4})])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_chunk_kernel_matches_reference(seed, kv_dtype, shape, tiling, fuse):
     """A prefill chunk's scores: each query block reads a key block once for all its queries (one product
@@ -83,7 +102,7 @@ def test_chunk_kernel_matches_reference(seed, kv_dtype, shape, tiling, fuse):
     args = chunk_inputs(seed, kv_dtype, **shape)
     want = np.asarray(index_scores_chunk_reference(*args))
     got = np.asarray(index_scores_chunk_gpu(*args, **tiling, fuse=fuse, interpret=not ON_GPU))
-    assert got.shape == want.shape == (*args[0].shape[:2], args[2].shape[1] if kv_dtype != "fp8" else 300)
+    assert got.shape == want.shape == (*args[0].shape[:2], jax.tree.leaves(args[2])[0].shape[1])
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     live = ~np.isneginf(want)
     assert live.any() and (~live).any()

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsjax.cache_formats import Records
 from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.sparse_attention.mosaic_gpu import sparse_decode_mosaic, sparse_decode_mosaic_packed
 from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
@@ -54,11 +55,20 @@ def test_kernel_matches_reference(seed, case):
         assert float(jnp.max(jnp.abs(got[-1]))) > 0
 
 
-@pytest.mark.parametrize("window_fmt,entries_fmt", [("fp8", "fp8"), ("fp4", "fp4"), (None, "fp8"), ("fp8", None)])
+def packed(rows, fmt):
+    """Rows in V4's PackedKV ("fp8", "fp4"), V4.1's records ("mxfp8", "nvfp4", "mxfp4") or as they are (None)."""
+    if fmt in ("fp8", "fp4"):
+        return pack_kv(rows, fmt, 64)
+    return Records.of(rows, fmt) if fmt else rows
+
+
+@pytest.mark.parametrize("window_fmt,entries_fmt", [("fp8", "fp8"), ("fp4", "fp4"), (None, "fp8"), ("fp8", None),
+                                                    ("mxfp8", "nvfp4")])
 def test_packed_rows_are_unpacked_for_the_kernel(window_fmt, entries_fmt):
-    """Either table or both packed (bf16 rows of the other pass through); within the kernel's bound."""
+    """Either table or both packed, V4's way or V4.1's (its release storage: an MXFP8 window, NVFP4 or
+    MXFP8 entries, which unpack alike; bf16 rows of the other pass through); within the kernel's bound."""
     args, kw = inputs(3, 2, 48, 300, 100)
-    pack = lambda rows, fmt: pack_kv(rows, fmt, 64) if fmt else rows
+    pack = packed
     args = (args[0], pack(args[1], window_fmt), args[2], pack(args[3], entries_fmt)) + args[4:]
     want = sparse_decode_reference(*args, **kw, out_dtype=jnp.float32)
     got = sparse_decode_mosaic_packed(*args, **kw, out_dtype=jnp.float32, interpret=not ON_GPU)

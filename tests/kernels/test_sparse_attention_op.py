@@ -1,17 +1,20 @@
 """Which kernel `sparse_attention.op.sparse_decode` lowers for cuda: the Mosaic GPU kernel where it
-applies (fp8/fp4 rows unpacked by XLA first), the Triton kernel elsewhere; and the interpreted Mosaic
-kernel through the op."""
+applies (fp8/fp4 rows and V4.1's records unpacked by XLA first), the Triton kernel elsewhere; and the
+interpreted kernels through the op, V4.1's records included."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from dsjax.cache_formats import Records
 from dsjax.export import abstract_device, disabled_checks
-from dsjax.kernels.sparse_attention.op import mosaic_splits, sparse_decode
-from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
+from dsjax.kernels.sparse_attention.op import mosaic_splits, sparse_decode, sparse_prefill
+from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from dsjax.quant import pack_kv
 from tests.helpers import mesh_cuda_module
 from tests.kernels.test_sparse_attention_mosaic_gpu import inputs
+from tests.kernels.test_sparse_attention_triton import inputs as triton_inputs
 
 
 def cuda_module(args, kw) -> str:
@@ -69,3 +72,61 @@ def test_under_a_mesh_the_op_runs_on_each_devices_slots():
     want = sparse_decode_reference(q32, *args[1:], **kw)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 1e-5, err
+
+
+def v41_stored(args, window_fmt="mxfp8", entries_fmt="nvfp4"):
+    """The inputs with V4.1's release storage: an MXFP8 window ring, NVFP4 (or MXFP8) entries."""
+    q, window, n, entries, *rest = args
+    return (q, Records.of(window, window_fmt), n, Records.of(entries, entries_fmt), *rest)
+
+
+@pytest.mark.parametrize("entries_fmt", ["nvfp4", "mxfp8"])
+def test_v41_records_reach_the_gpu_kernels_not_the_reference(entries_fmt):
+    """At 64 heads of 512 the Mosaic kernel (on the window and picks unpacked by XLA), narrower the
+    Triton one (likewise); no TPU kernel reads records, so lowered for tpu the reference runs."""
+    args, kw = inputs(0, 2, 48, 300, 100)
+    text = cuda_module(v41_stored(args, entries_fmt=entries_fmt), kw)
+    assert "dsjax_sparse_decode_mosaic" in text
+    narrow, narrow_kw = triton_inputs(1, "bfloat16", b=2, h=16, d=128)
+    fn = jax.jit(lambda q, w, n, e, s: sparse_decode(q, w, n, e, s, 128 ** -0.5, **narrow_kw))
+    h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
+    with jax.sharding.use_abstract_mesh(h200):
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
+            *v41_stored(narrow, entries_fmt=entries_fmt)[:5]).mlir_module()
+    assert 'name = "dsjax_sparse_decode"' in text and "dsjax_sparse_decode_mosaic" not in text
+    tpu = jax.export.export(fn, platforms=["tpu"])(*v41_stored(narrow, entries_fmt=entries_fmt)[:5]).mlir_module()
+    assert "tpu_custom_call" not in tpu
+
+
+def test_interpreted_op_on_v41_records_matches_the_reference():
+    """Decode through the op over V4.1's records where the Triton kernel runs (the Mosaic one's unpacking of
+    records: `test_packed_rows_are_unpacked_for_the_kernel`)."""
+    args, kw = triton_inputs(3, "bfloat16", b=3, h=16, d=128)
+    args = v41_stored(args)
+    want = sparse_decode_reference(*args, **kw, out_dtype=jnp.float32)
+    got = sparse_decode(*args, **kw, kernels="interpret").astype(jnp.float32)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err < 1e-2, err  # the kernel's output rounded to bf16
+
+
+def test_interpreted_prefill_on_v41_records_matches_the_reference():
+    """A prefill chunk through the op over V4.1's records: the Triton prefill kernel on the window and
+    the slot's entries unpacked (every entry: a chunk's queries pick among all of them)."""
+    b, c, h, d, wn, t, k = 2, 5, 16, 128, 40, 90, 24
+    rng = np.random.default_rng(12)
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)) * 2, jnp.bfloat16)
+    window = Records.of(jnp.asarray(rng.normal(size=(b, wn, d)), jnp.bfloat16), "mxfp8")
+    entries = Records.of(jnp.asarray(rng.normal(size=(b, t, d)), jnp.bfloat16), "nvfp4")
+    start = rng.integers(0, wn, size=(b, c))
+    end = np.minimum(start + rng.integers(0, 20, size=(b, c)), wn)
+    idx = rng.integers(0, t, size=(b, c, k))
+    idx[rng.random((b, c, k)) < 0.3] = -1
+    sinks = jnp.asarray(rng.normal(size=(h,)) * 2, jnp.float32)
+    args = (q, window, jnp.asarray(start, jnp.int32), jnp.asarray(end, jnp.int32), entries, sinks, d ** -0.5)
+    kw = {"idx_bck": jnp.asarray(idx, jnp.int32)}
+    want = sparse_prefill_reference(*args, **kw, out_dtype=jnp.float32)
+    got = jax.jit(lambda *a: sparse_prefill(*a, d ** -0.5, **kw, kernels="interpret"))(*args[:6])
+    assert "dsjax_sparse_prefill" in str(jax.make_jaxpr(
+        lambda *a: sparse_prefill(*a, d ** -0.5, **kw, kernels="interpret"))(*args[:6]))
+    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+    assert err < 1e-2, err

@@ -1,5 +1,6 @@
 """The indexer's scores as the model calls them: the GPU or TPU kernel where it applies, else the
-pure-JAX reference (`dispatch.py`)."""
+pure-JAX reference (`dispatch.py`). V4.1's MXFP4 index key records go to the GPU kernel as stored; the
+TPU kernel does not read them (the reference runs there)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import functools
 
 import jax
 
-from dsjax.kernels.dispatch import dispatch, over_slots, reads_records
+from dsjax.cache_formats import Records
+from dsjax.kernels.dispatch import dispatch, over_slots
 from dsjax.kernels.indexer.mosaic_tpu import index_scores_chunk_tpu
 from dsjax.kernels.indexer.reference import index_scores_chunk_reference
 from dsjax.kernels.indexer.triton import index_scores_chunk_gpu
@@ -23,10 +25,9 @@ def index_scores(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys_len_bc: j
 
 
 def _index_scores(q_bchc, weights_bch, keys, keys_len_bc, scale, *, kernels):
-    kernels = reads_records(kernels, keys)
     args = (q_bchc, weights_bch, keys, keys_len_bc, scale)
     decode = q_bchc.shape[1] == 1
-    tpu = functools.partial(index_scores_chunk_tpu, *args)
+    tpu = None if isinstance(keys, Records) else functools.partial(index_scores_chunk_tpu, *args)
     # Decode keeps the tiling swept for it; a chunk takes block_q queries per key block.
     tiling = dict(block_q=1) if decode else {}
     return dispatch(functools.partial(index_scores_chunk_reference, *args), kernels=kernels,

@@ -39,9 +39,9 @@ from jax._src.lib.mlir.dialects import llvm, nvvm  # not in jax.extend; Mosaic G
 
 from dsjax.kernels.devices import TUNED_GPU, device_facts
 from dsjax.kernels.dispatch import CannotTile
-from dsjax.kernels.sparse_attention.reference import gather_rows
+from dsjax.cache import is_packed
+from dsjax.kernels.sparse_attention.reference import unpacked_picks
 from dsjax.kernels.sparse_attention.triton import merge_splits
-from dsjax.quant import PackedKV, unpack_kv
 
 HEADS, WIDTH = 64, 512
 _HALF = WIDTH // 2
@@ -379,22 +379,19 @@ def sparse_decode_mosaic_packed(q_bhd: jax.Array, window, window_len_b: jax.Arra
                                 scale: float, *, entries_len_b: jax.Array | None = None,
                                 idx_bk: jax.Array | None = None, out_dtype=None, num_splits: int = 2,
                                 interpret: bool = False) -> jax.Array:
-    """`sparse_decode_mosaic` over fp8/fp4 rows (`PackedKV`): XLA first gathers each slot's picks and
-    dequantizes them and the window ring to bf16 as `quant.unpack_kv` does (the rounding the Triton
-    kernel applies in registers), then the kernel attends them with the picks renumbered 0..k-1.
+    """`sparse_decode_mosaic` over packed rows (V4's fp8/fp4 `PackedKV`, V4.1's `Records`): XLA first
+    gathers each slot's picks and dequantizes them and the window ring to bf16 as `cache.read_rows` does
+    (the rounding the Triton kernel applies in registers; V4.1's records hold bf16 values exactly), then
+    the kernel attends them with the picks renumbered 0..k-1 (`reference.unpacked_picks`).
     That costs a second pass over the picked rows, which the Triton kernel avoids, and is still 2.3×
     faster (fp8, 64 slots × 128K on the H200: 71 µs against 162). Raises CannotTile where no row is
     packed (the kernel takes bf16 rows directly) and on what the kernel does not cover."""
-    if not (isinstance(window, PackedKV) or isinstance(entries, PackedKV)):
+    if not (is_packed(window) or is_packed(entries)):
         raise CannotTile("sparse attention (Mosaic GPU, packed rows): no packed rows; the kernel takes these")
     if entries_len_b is not None:
         raise CannotTile("sparse attention (Mosaic GPU): entry prefixes (HCA) are not covered")
     if entries is not None and idx_bk is None:
         raise ValueError("sparse attention: give exactly one of the entry counts (attend a prefix) and the picks")
-    unpack = lambda rows: unpack_kv(rows, jnp.bfloat16) if isinstance(rows, PackedKV) else rows
-    if entries is not None:
-        valid = (idx_bk >= 0) & (idx_bk < jax.tree.leaves(entries)[0].shape[1])  # as the kernel reads picks
-        entries = unpack(gather_rows(entries, jnp.where(valid, idx_bk, 0)))
-        idx_bk = jnp.where(valid, jnp.arange(idx_bk.shape[1], dtype=jnp.int32), -1)
-    return sparse_decode_mosaic(q_bhd, unpack(window), window_len_b, entries, sinks_h, scale, idx_bk=idx_bk,
+    window, entries, idx_bk = unpacked_picks(window, entries, idx_bk, jnp.bfloat16)
+    return sparse_decode_mosaic(q_bhd, window, window_len_b, entries, sinks_h, scale, idx_bk=idx_bk,
                                 out_dtype=out_dtype, num_splits=num_splits, interpret=interpret)

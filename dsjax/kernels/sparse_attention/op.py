@@ -1,5 +1,7 @@
 """Sparse decode attention as the model calls it: the GPU or TPU kernel where it applies, else the
-pure-JAX reference (`dispatch.py`)."""
+pure-JAX reference (`dispatch.py`). V4.1's packed records (`cache_formats.Records`) reach the GPU kernels
+unpacked by XLA (exactly: each record value is a bf16), at decode only the picked rows; the TPU kernels
+do not read them (the reference runs there)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import functools
 import jax
 
 from dsjax.kernels.devices import TUNED_GPU, device_facts
-from dsjax.kernels.dispatch import dispatch, over_slots, reads_records
+from dsjax.cache_formats import Records
+from dsjax.kernels.dispatch import dispatch, over_slots
 from dsjax.kernels.sparse_attention.mosaic_gpu import sparse_decode_mosaic, sparse_decode_mosaic_packed
 from dsjax.kernels.sparse_attention.mosaic_tpu import sparse_decode_tpu, sparse_prefill_tpu
-from dsjax.kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
+from dsjax.kernels.sparse_attention.reference import (sparse_decode_reference, sparse_prefill_reference,
+                                                      unpacked_picks)
 from dsjax.kernels.sparse_attention.triton import sparse_decode_gpu, sparse_prefill_gpu
 
 # Used only to decide when to split keys between programs: the tilings were measured on this GPU.
@@ -62,22 +66,34 @@ def sparse_decode(q_bhd: jax.Array, window, window_len_b: jax.Array, entries, si
                            entries_len_b=entries_len_b, idx_bk=idx_bk), dict(sinks_h=sinks_h))
 
 
+def _has_records(*stores) -> bool:
+    return any(isinstance(s, Records) for s in stores)
+
+
 def _sparse_decode(q_bhd, window, window_len_b, entries, sinks_h, scale, *, entries_len_b, idx_bk, kernels):
-    kernels = reads_records(kernels, window, entries)
     args = (q_bhd, window, window_len_b, entries, sinks_h, scale)
     kw = dict(entries_len_b=entries_len_b, idx_bk=idx_bk)
     b, h, _ = q_bhd.shape
     n_keys = keys_per_query(window, entries, idx_bk)
     tiling = gpu_tiling(b, h, n_keys)
-    # The Mosaic GPU kernel where it applies (64 bf16 heads of width 512, CSA picks or no entries; fp8
-    # and fp4 rows unpacked by XLA first), else the Triton one.
+    # The Mosaic GPU kernel where it applies (64 bf16 heads of width 512, CSA picks or no entries; packed
+    # rows unpacked by XLA first), else the Triton one (over V4.1's records: their picks unpacked first).
     splits = mosaic_splits(b, n_keys)
+    records = _has_records(window, entries)
+
+    def triton(interpret):
+        if not records:
+            return sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret)
+        w, e, idx = unpacked_picks(window, entries, idx_bk, q_bhd.dtype)
+        return sparse_decode_gpu(q_bhd, w, window_len_b, e, sinks_h, scale, entries_len_b=entries_len_b,
+                                 idx_bk=idx, **tiling, interpret=interpret)
+
     return dispatch(functools.partial(sparse_decode_reference, *args, **kw), kernels=kernels,
                     gpu=(lambda interpret: sparse_decode_mosaic(*args, **kw, num_splits=splits, interpret=interpret),
                          lambda interpret: sparse_decode_mosaic_packed(*args, **kw, num_splits=splits,
                                                                        interpret=interpret),
-                         lambda interpret: sparse_decode_gpu(*args, **kw, **tiling, interpret=interpret)),
-                    tpu=lambda: sparse_decode_tpu(*args, **kw))
+                         triton),
+                    tpu=None if records else lambda: sparse_decode_tpu(*args, **kw))
 
 
 def sparse_prefill(q_bchd: jax.Array, window, window_start_bc: jax.Array, window_end_bc: jax.Array, entries,
@@ -92,11 +108,20 @@ def sparse_prefill(q_bchd: jax.Array, window, window_start_bc: jax.Array, window
 
 def _sparse_prefill(q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale, *, entries_len_bc,
                     idx_bck, kernels):
-    kernels = reads_records(kernels, window, entries)
     args = (q_bchd, window, window_start_bc, window_end_bc, entries, sinks_h, scale)
     kw = dict(entries_len_bc=entries_len_bc, idx_bck=idx_bck)
     b, c, h, _ = q_bchd.shape
     tiling = gpu_tiling(b * c, h, keys_per_query(window, entries, idx_bck), **prefill_tiling(entries, idx_bck))
-    return dispatch(functools.partial(sparse_prefill_reference, *args, **kw), kernels=kernels,
-                    gpu=lambda interpret: sparse_prefill_gpu(*args, **kw, **tiling, interpret=interpret),
-                    tpu=lambda: sparse_prefill_tpu(*args, **kw))
+    records = _has_records(window, entries)
+
+    def triton(interpret):
+        if not records:
+            return sparse_prefill_gpu(*args, **kw, **tiling, interpret=interpret)
+        # A chunk's queries pick among all of the slot's entries: unpack them all (once per chunk), and
+        # the window (its ring and the chunk's own rows).
+        w, e, _ = unpacked_picks(window, entries, None, q_bchd.dtype)
+        return sparse_prefill_gpu(q_bchd, w, window_start_bc, window_end_bc, e, sinks_h, scale, **kw, **tiling,
+                                  interpret=interpret)
+
+    return dispatch(functools.partial(sparse_prefill_reference, *args, **kw), kernels=kernels, gpu=triton,
+                    tpu=None if records else lambda: sparse_prefill_tpu(*args, **kw))

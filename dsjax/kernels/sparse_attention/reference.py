@@ -16,16 +16,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsjax.cache import read_rows
-from dsjax.quant import PackedKV
-
-Rows = jax.Array | PackedKV
+from dsjax.cache import Rows, read_rows
 
 
 def gather_rows(rows: Rows, idx_bk: jax.Array) -> Rows:
     """Rows `idx[b, k]` of each slot (any storage); -1 reads row 0."""
     safe = jnp.maximum(idx_bk, 0)[..., None]
     return jax.tree.map(lambda a: jnp.take_along_axis(a, safe, axis=1), rows)
+
+
+def unpacked_picks(window: Rows, entries: Rows | None, idx_bk: jax.Array | None, dtype):
+    """(window, entries, picks) for a kernel that reads float rows: the window ring and each slot's picked
+    entries (only those) unpacked to `dtype` as `read_rows` does, the picks renumbered to index the
+    picked rows (`[B, K]`, -1 kept where nothing is picked or the pick is out of range)."""
+    if entries is not None and idx_bk is not None:
+        valid = (idx_bk >= 0) & (idx_bk < jax.tree.leaves(entries)[0].shape[1])
+        entries = read_rows(gather_rows(entries, jnp.where(valid, idx_bk, 0)), dtype)
+        idx_bk = jnp.where(valid, jnp.arange(idx_bk.shape[1], dtype=jnp.int32), -1)
+    elif entries is not None:
+        entries = read_rows(entries, dtype)
+    return read_rows(window, dtype), entries, idx_bk
 
 
 def sparse_decode_reference(q_bhd: jax.Array, window: Rows, window_len_b: jax.Array, entries: Rows | None,
