@@ -2,6 +2,8 @@
 the reference on random inputs, its row-wide relative scales, stacked layers read in place, where the
 op takes it instead of the Triton kernel, and what it refuses."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,14 +39,20 @@ def test_input_order_renumbers_every_input_once_per_pair(storage, pairs):
     np.testing.assert_array_equal(renumbered(x, storage), np.moveaxis(np.asarray(x)[:, order], 1, 0))
 
 
-@pytest.mark.parametrize("sizes,extra,k,n", [
+_DECODE_CASES = [
     ([3, 0, 17, 1, 6], 0, 1024, 128),    # an empty group, a group over two tiles
     ([0, 0, 40, 0, 0], 5, 2048, 64),     # one group of three tiles; rows routed to no group after it
     ([1, 1, 1, 1, 1], 11, 1024, 192),    # one-row groups, three feature blocks
     ([9, 4, 20], 3, 1280, 64),           # 10 scale words a row, padded to 16 (as V4.1's down_proj's 18)
     ([0, 1, 0, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1], 2, 1024, 64),  # decode: fewer rows than experts
+]
+
+
+@pytest.mark.parametrize("sizes,extra,k,n,row_source", [
+    *[(*case, "copied") for case in _DECODE_CASES],
+    # aligned rows (built, not yet taken): experts moved past empty ones and over two tiles, and one-row experts
+    *[(*_DECODE_CASES[i], "aligned") for i in (0, 4)],
 ])
-@pytest.mark.parametrize("row_source", ["copied", "aligned"])
 def test_kernel_matches_reference(sizes, extra, k, n, row_source):
     """Random experts with scales spread over 2^13 (interpreted: no GPU needed), each tile's rows copied
     out, read in place from a window, or from experts moved to multiples of 8."""
@@ -83,18 +91,27 @@ _PREFILL_TILINGS = [(32, 64, 32, 2), (64, 128, 32, 2), (128, 64, 16, 3), (64, 64
 def test_prefill_tiles_match_reference_and_the_decode_tiling(block_m, features, words, stages, row_source):
     """Tiles of many rows (prefill), whose results are taken out by whole rows: groups over several
     tiles, an empty one, rows routed nowhere. Same sums as the decode tiling up to their order."""
-    sizes, extra, k, n = [70, 0, 150, 5], 9, 1024, 128
-    q, s = experts("fp4", len(sizes), n, k, seed=3)
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
-    group_sizes = jnp.asarray(sizes, jnp.int32)
+    x, q, s, group_sizes, want, decode_tiling = _prefill_case()
+    sizes = np.asarray(group_sizes)
     if row_source == "window" and block_m == 256:  # 256 rows and the 8 before them are more than wgmma's N
         with pytest.raises(ValueError, match="block_m=256 is too many"):
             expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, row_source="window", interpret=True)
         return
     got = expert_matmul_mosaic(x, q, s, group_sizes, block_m=block_m, features=features, words=words, stages=stages,
                                row_source=row_source, interpret=True)[:sum(sizes)]
-    close(got, expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)])
-    close(got, expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)[:sum(sizes)])
+    close(got, want)
+    close(got, decode_tiling)
+
+
+@functools.cache
+def _prefill_case():
+    """The prefill tilings' inputs, the reference's result and the decode tiling's: computed once."""
+    sizes, extra, k, n = [70, 0, 150, 5], 9, 1024, 128
+    q, s = experts("fp4", len(sizes), n, k, seed=3)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((sum(sizes) + extra, k)) * 3, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    return (x, q, s, group_sizes, expert_matmul_reference(x, q, s, group_sizes, "fp4")[:sum(sizes)],
+            expert_matmul_mosaic(x, q, s, group_sizes, interpret=True)[:sum(sizes)])
 
 
 @pytest.mark.parametrize("sizes,extra,k,n,options", [

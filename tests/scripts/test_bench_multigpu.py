@@ -64,7 +64,8 @@ def test_runs_and_resumes(tmp_path, capsys):
 
 def test_token_check_reports_where_sequences_part():
     """Against other weights, sequences part: each parting is named with its step and the one-device
-    margin between the top two choices there (non-negative)."""
+    margin between the top two choices there (non-negative). (Against the same weights every token is
+    equal: `test_runs_and_resumes`.)"""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -76,8 +77,6 @@ def test_token_check_reports_where_sequences_part():
     cfg = ModelConfig.preset("tiny")
     mesh = make_mesh("ep=8")
     model = shard_model(dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32), mesh)
-    same = multigpu.check_tokens(model, mesh, dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32), 8, 4, 5)
-    assert same["equal_sequences"] == 8 and same["equal_tokens"] == same["tokens"] == 40
     other = multigpu.check_tokens(model, mesh, dsjax.DeepseekV4(cfg, rngs=nnx.Rngs(2), dtype=jnp.float32), 8, 4, 5)
     assert other["equal_sequences"] == 8 - len(other["partings"]) < 8
     assert other["equal_tokens"] == sum(p["step"] for p in other["partings"]) + 5 * other["equal_sequences"]
