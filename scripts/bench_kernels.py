@@ -11,6 +11,7 @@ overhead cancel; host jitter only adds time, so the fastest call is kept). For s
     python scripts/bench_kernels.py attention --batch 1 64 256 --context 4096 131072 1048576
     python scripts/bench_kernels.py tune --batch 64 --context 131072
     python scripts/bench_kernels.py indexer --batch 1 64 --context 131072
+    python scripts/bench_kernels.py attention --preset v4.1-flash --kv-dtype fp4 --layer csa --batch 64 --context 131072
     python scripts/bench_kernels.py prefill-indexer --context 131072 1048576 --chunk 2048 --block-q 2 4 8
     python scripts/bench_kernels.py prefill-attention --context 1048576 --chunk 2048 --block-h 32 64
     python scripts/bench_kernels.py grouped-matmul --tokens 65536 --block-m 64 128 --block-n 64 128
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.bench import copy_bandwidth
+from dsjax.cache_formats import V41_STORAGE, Records, record_bytes
 from dsjax.config import CSA, HCA, ModelConfig
 from dsjax.config_v41 import model_config
 from dsjax.presets import PRESETS
@@ -76,9 +78,29 @@ def timed(fn, make_sets, shared=(), few: int = 8, many: int = 24, repeats: int =
     return (times[many] - times[few]) / (many - few)
 
 
+def random_records(key, shape, fmt: str) -> Records:
+    """Random V4.1 cache records (`cache_formats.Records`, "mxfp8", "nvfp4" or "mxfp4") of `shape` rows,
+    built directly: codes of any value but e4m3's NaN, scales near 1."""
+    *lead, dim = shape
+    n_data = dim if fmt == "mxfp8" else dim // 2
+    k1, k2 = jax.random.split(key)
+    codes = jax.random.randint(k1, (*lead, n_data), 0, 256, jnp.int32)
+    if fmt == "mxfp8":
+        codes = jnp.where(codes & 0x7F == 0x7F, codes ^ 1, codes)
+    low, high = (0x30, 0x41) if fmt == "nvfp4" else (124, 130)  # e4m3 0.5 … 2, or ue8m0 2^-3 … 2^2
+    scales = jax.random.randint(k2, (*lead, record_bytes(fmt, dim) - n_data), low, high, jnp.int32)
+    return Records(jnp.concatenate([codes, scales], axis=-1).astype(jnp.uint8), fmt, dim)
+
+
+def is_v41(cfg) -> bool:
+    return getattr(cfg, "family", "v4") == "v4.1"
+
+
 def random_rows(key, shape, kv_dtype: str, rope_dim: int):
     """Random cache rows in `kv_dtype` storage, built directly (no quantization pass): finite codes,
-    scales near 1."""
+    scales near 1. A V4.1 format name ("mxfp8", "nvfp4", "mxfp4") gives its records."""
+    if kv_dtype in ("mxfp8", "nvfp4", "mxfp4"):
+        return random_records(key, shape, kv_dtype)
     k1, k2, k3 = jax.random.split(key, 3)
     if kv_dtype == "bfloat16":
         return jax.random.normal(k1, shape, jnp.bfloat16)
@@ -99,19 +121,29 @@ def row_bytes(rows) -> int:
 
 
 def attention_case(cfg: ModelConfig, batch: int, context: int, kv_dtype: str, layer: str, seed: int = 0):
-    """(shared entries, make_set(i) → the kernel's positional/keyword inputs, bytes, flops)."""
+    """(shared entries, make_set(i) → the kernel's positional/keyword inputs, bytes, flops). For V4.1 (CSA
+    only: every compressed layer picks) a decoder layer's: an entry per token, window and entries in the
+    release's formats for `kv_dtype` ("fp4": MXFP8 window, NVFP4 entries; "fp8": MXFP8 both)."""
     h, d, w = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
-    rd = cfg.rope_compress.rope_dim(d)
-    rate = cfg.compress_rate_csa if layer == CSA else cfg.compress_rate_hca
+    window_fmt = entries_fmt = kv_dtype
+    if is_v41(cfg):
+        if layer != CSA:
+            raise ValueError("attention: V4.1's compressed layers all pick their entries (--layer csa)")
+        rd, rate = 0, 1
+        if kv_dtype in V41_STORAGE:
+            window_fmt, entries_fmt, _ = V41_STORAGE[kv_dtype]
+    else:
+        rd = cfg.rope_compress.rope_dim(d)
+        rate = cfg.compress_rate_csa if layer == CSA else cfg.compress_rate_hca
     t = context // rate
-    entries = random_rows(jax.random.key(seed), (batch, t, d), kv_dtype, rd)
+    entries = random_rows(jax.random.key(seed), (batch, t, d), entries_fmt, rd)
     n_keys = w + (min(cfg.index_topk, t) if layer == CSA else t)
 
     def make_set(i):
         key = jax.random.key(1000 + i)
         kq, kw, ki, ks = jax.random.split(key, 4)
         q = jax.random.normal(kq, (batch, h, d), jnp.bfloat16)
-        window = random_rows(kw, (batch, w, d), kv_dtype, rd)
+        window = random_rows(kw, (batch, w, d), window_fmt, rd)
         sinks = jax.random.normal(ks, (h,), jnp.float32)
         if layer == CSA:
             k = min(cfg.index_topk, t)
@@ -121,7 +153,9 @@ def attention_case(cfg: ModelConfig, batch: int, context: int, kv_dtype: str, la
             extra = {"entries_len_b": jnp.full((batch,), t, jnp.int32)}
         return q, window, jnp.full((batch,), w, jnp.int32), sinks, extra
 
-    per_slot = n_keys * row_bytes(entries) + 2 * h * d * 2 + (4 * min(cfg.index_topk, t) if layer == CSA else 0)
+    window_row = row_bytes(random_rows(jax.random.key(0), (1, 1, d), window_fmt, rd))
+    per_slot = (w * window_row + (n_keys - w) * row_bytes(entries) + 2 * h * d * 2
+                + (4 * min(cfg.index_topk, t) if layer == CSA else 0))
     return entries, make_set, batch * per_slot, batch * 4 * h * d * n_keys
 
 
@@ -141,6 +175,9 @@ def bench_attention(args, cfg, bandwidth):
     from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
     from dsjax.kernels.sparse_attention.triton import sparse_decode_gpu
 
+    if is_v41(cfg) and args.path == "triton" and set(args.kv_dtype) - {"bfloat16"}:
+        raise SystemExit("attention: the Triton kernel alone takes V4's storage; V4.1's records go through the "
+                         "operation (--path op), which unpacks them first")
     rows = []
     scale = cfg.head_dim ** -0.5
     for batch, context, kv_dtype, layer in itertools.product(args.batch, args.context, args.kv_dtype, args.layer):
@@ -181,6 +218,8 @@ def bench_attention(args, cfg, bandwidth):
 def bench_tune(args, cfg, bandwidth):
     from dsjax.kernels.sparse_attention.triton import sparse_decode_gpu
 
+    if is_v41(cfg) and set(args.kv_dtype) - {"bfloat16"}:
+        raise SystemExit("tune: the Triton kernel's tilings over V4's storage or bf16 rows (--kv-dtype bfloat16)")
     rows = []
     scale = cfg.head_dim ** -0.5
     for batch, context, kv_dtype in itertools.product(args.batch, args.context, args.kv_dtype):
@@ -211,13 +250,16 @@ def bench_tune(args, cfg, bandwidth):
 
 
 def indexer_case(cfg: ModelConfig, batch: int, context: int, kv_dtype: str):
-    """(index keys, make_set(i) → (q, weights, keys_len), bytes, flops) for one indexer size."""
+    """(index keys, make_set(i) → (q, weights, keys_len), bytes, flops) for one indexer size. V4.1: a decoder
+    layer's (a key per token), stored packed as MXFP4 records for `kv_dtype` "fp8" or "fp4"."""
     from dsjax.quant import INDEX_FP8_GROUP
 
     nh, c = cfg.index_n_heads, cfg.index_head_dim
-    t = context // cfg.compress_rate_csa
+    t = context if is_v41(cfg) else context // cfg.compress_rate_csa
     k1, k2 = jax.random.split(jax.random.key(0))
-    if kv_dtype == "fp8":
+    if is_v41(cfg) and kv_dtype in V41_STORAGE:
+        keys = random_records(k1, (batch, t, c), V41_STORAGE[kv_dtype][2])
+    elif kv_dtype == "fp8":
         keys = PackedKV(jax.random.normal(k1, (batch, t, c), jnp.float32).astype(FP8),
                         jax.random.uniform(k2, (batch, t, c // INDEX_FP8_GROUP), jnp.float32, 0.5, 2.0),
                         jnp.zeros((batch, t, 0), jnp.bfloat16), INDEX_FP8_GROUP)
@@ -240,7 +282,7 @@ def bench_indexer(args, cfg, bandwidth):
     rows = []
     scale = cfg.index_head_dim ** -0.5
     for batch, context, kv_dtype in itertools.product(args.batch, args.context, args.kv_dtype):
-        if batch * context > args.max_tokens or kv_dtype == "fp4":  # index keys are never fp4
+        if batch * context > args.max_tokens or (kv_dtype == "fp4" and not is_v41(cfg)):  # V4's keys are never fp4
             continue
         keys, make_set, n_bytes, flops = indexer_case(cfg, batch, context, kv_dtype)
         ref = lambda keys, q, w, n: index_scores_reference(q, w, keys, n, scale)  # noqa: E731

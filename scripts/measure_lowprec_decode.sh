@@ -3,21 +3,22 @@
 # runs now, and the model's decode with each candidate switched on (the op's constants, set for one run from
 # Python, nothing edited). Rows and logs go to OUT; a short table is printed last.
 #
-#   bash scripts/measure_lowprec_decode.sh OUT [tests|kernels|model|v41|all]
+#   bash scripts/measure_lowprec_decode.sh OUT [tests|kernels|model|v41|v41model|all]
 #
 # - tests:   the native kernel tests (`-k native`) of the expert kernel and dense_fp8_matmul.
 # - kernels: bench_kernels.py fp4-experts (rows copied or aligned, checkpoint or repacked codes), fp8-experts
 #            (Mosaic against Triton), dense-fp8 (the kernel against XLA's dequantize-then-GEMM).
 # - model:   dsjax bench, V4-Flash width, 4 layers, release storage, batch 32 and 128, 512-token prompts:
 #            as committed, then with op.DENSE_MAX_ROWS = 256, then with op.ROW_SOURCE = "aligned".
-# - v41:     the same for V4.1-Flash in its released storage (32 × 32 FP8 blocks, the FP4 cache's records): dense-fp8
-#            at its widths, then dsjax bench on the 8-layer slice of docs/benchmarks.md with --kv-dtype fp4, as
-#            committed and with DENSE_MAX_ROWS = 256.
+# - v41:     V4.1-Flash's kernels in its released storage: dense-fp8 at its widths (32 × 32 FP8 blocks), decode
+#            attention and the indexer at batch 64 × 128K over bf16 rows and the release's cache records.
+# - v41model: dsjax bench on the 8-layer V4.1 slice of docs/benchmarks.md with --kv-dtype fp4, as committed and
+#            with DENSE_MAX_ROWS = 256.
 set -uo pipefail
-usage="usage: measure_lowprec_decode.sh OUT [tests|kernels|model|v41|all]"
+usage="usage: measure_lowprec_decode.sh OUT [tests|kernels|model|v41|v41model|all]"
 out=${1:?$usage}
 what=${2:-all}
-case "$what" in all|tests|kernels|model|v41) ;; *) echo "$usage" >&2; exit 2 ;; esac
+case "$what" in all|tests|kernels|model|v41|v41model) ;; *) echo "$usage" >&2; exit 2 ;; esac
 mkdir -p "$out"
 py=${PYTHON:-python3}
 run() {  # name, seconds, command...: output into $out/<name>.log, exit status appended
@@ -57,6 +58,12 @@ fi
 if [ "$what" = all ] || [ "$what" = v41 ]; then
   run dense_fp8_v41 200 "$py" scripts/bench_kernels.py dense-fp8 --preset v4.1-flash --tokens 1 32 128 256 \
     --json "$out/kernels.jsonl"
+  run attention_v41 150 "$py" scripts/bench_kernels.py attention --preset v4.1-flash --kv-dtype bfloat16 fp8 fp4 \
+    --layer csa --batch 64 --context 131072 --json "$out/kernels.jsonl"
+  run indexer_v41 150 "$py" scripts/bench_kernels.py indexer --preset v4.1-flash --kv-dtype bfloat16 fp4 \
+    --batch 64 --context 131072 --json "$out/kernels.jsonl"
+fi
+if [ "$what" = all ] || [ "$what" = v41model ]; then
   v41=(--preset v4.1-flash --layers 0,1,2,3,20,21,24,25 --engram-rows 4194304 --weights keep --kv-dtype fp4)
   model model_v41_committed "" "${v41[@]}"
   model model_v41_dense256 "op.DENSE_MAX_ROWS = 256" "${v41[@]}"
@@ -69,10 +76,12 @@ for log in sorted(out.glob("*.log")):
 if (out / "kernels.jsonl").exists():
     for line in (out / "kernels.jsonl").read_text().splitlines():
         r = json.loads(line)
-        what = r.get("matmul") or r.get("linear")
+        what = r.get("matmul") or r.get("linear") or r.get("kv")
         how = " ".join(str(r[k]) for k in ("impl", "block", "row_source", "code_layout") if k in r)
-        print(f"{r['op']:12s} {what:12s} {r.get('tokens', r.get('rows')):>4} {how:38s} {r['kernel_ms']:8.3f} ms "
-              f"{100 * r['of_copy']:5.1f}% max_diff {r['max_diff']:.3g}")
+        ms = r["kernel_ms"] if "kernel_ms" in r else r["kernel_us"] / 1e3
+        size = r.get("tokens", r.get("rows", r.get("batch")))
+        diff = r.get("max_diff", r.get("rel_err", float("nan")))
+        print(f"{r['op']:12s} {what:12s} {size:>4} {how:38s} {ms:8.3f} ms {100 * r['of_copy']:5.1f}% diff {diff:.3g}")
 for rows in sorted(out.glob("model_*.jsonl")):
     for line in rows.read_text().splitlines():
         r = json.loads(line)
