@@ -17,13 +17,13 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 def inputs(seed, kv_dtype="fp8", b=3, h=16, c=64, t=300, dtype=jnp.bfloat16, group=64):
-    """`kv_dtype`: "fp8" or "fp4" (V4's PackedKV), "mxfp4" (V4.1's index key records), a float dtype's name."""
+    """`kv_dtype`: "fp8" (V4's PackedKV), "mxfp4" (V4.1's index key records), a float dtype's name."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(b, h, c)), dtype)
     w = jnp.asarray(rng.normal(size=(b, h)), jnp.float32)  # head weights of both signs
     keys = jnp.asarray(rng.normal(size=(b, t, c)), jnp.bfloat16 if kv_dtype != "float32" else jnp.float32)
-    if kv_dtype in ("fp8", "fp4"):
-        keys = pack_kv(keys, kv_dtype, 0, group)
+    if kv_dtype == "fp8":
+        keys = pack_kv(keys, "fp8", 0, group)
     elif kv_dtype == "mxfp4":
         keys = Records.of(keys, "mxfp4")
     n = rng.integers(1, t + 1, size=b)
@@ -44,16 +44,21 @@ def test_kernel_matches_reference(seed, kv_dtype, shape, tiling):
     assert_close(got[live], want[live], rtol=2e-3 if kv_dtype != "float32" else 1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype,c", [("mxfp4", 128), ("fp4", 64)])
-def test_fp4_keys_match_reference(kv_dtype, c):
+def test_mxfp4_key_records_match_reference():
     """V4.1's MXFP4 index key records (`[64 code bytes | 4 scale bytes]` a key at V4.1's width 128), read
-    as stored, and V4's fp4 PackedKV: the same scores as the reference's over the dequantized keys."""
-    args = inputs(4, kv_dtype, c=c)
+    as stored: the same scores as the reference's over the dequantized keys."""
+    args = inputs(4, "mxfp4", c=128)
     want = np.asarray(index_scores_reference(*args))
     got = np.asarray(index_scores_gpu(*args, interpret=not ON_GPU))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     live = ~np.isneginf(want)
     assert_close(got[live], want[live], rtol=2e-3)
+
+
+def test_v4_fp4_keys_are_refused():
+    q, w, keys, n, scale = inputs(4)
+    with pytest.raises(CannotTile, match="fp8 or float, got fp4"):
+        index_scores_gpu(q, w, pack_kv(jnp.zeros((3, 300, 64)), "fp4", 0), n, scale, interpret=True)
 
 
 def test_records_it_does_not_read_are_refused():

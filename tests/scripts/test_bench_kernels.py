@@ -71,19 +71,15 @@ def test_timed_refuses_a_difference_lost_in_jitter(monkeypatch):
     assert bench.timed(lambda x: x + 1, lambda i: (jnp.full(4, float(i)),), few=1, many=3, repeats=2) == 1.0
 
 
-def test_v41_cases_hold_the_release_storage_and_the_op_attends_them():
+def test_v41_cases_hold_the_release_storage():
     """`attention --preset v4.1-flash --kv-dtype fp4` times the op over an MXFP8 window and NVFP4 entries (a
     decoder layer: an entry per token, 512 picks at most), counting each table's own record bytes; the
-    indexer over MXFP4 key records. The op's result on one set is the reference's."""
-    import jax.numpy as jnp
+    indexer over MXFP4 key records. (The ops over records: tests/kernels.)"""
     import numpy as np
 
+    from dsjax.cache import read_rows
     from dsjax.config import CSA
     from dsjax.config_v41 import V41Config
-    from dsjax.kernels.indexer.op import index_scores
-    from dsjax.kernels.indexer.reference import index_scores_reference
-    from dsjax.kernels.sparse_attention.op import sparse_decode
-    from dsjax.kernels.sparse_attention.reference import sparse_decode_reference
 
     cfg = V41Config.preset("v4.1-flash")
     entries, make_set, n_bytes, _ = bench.attention_case(cfg, 1, 300, "fp4", CSA)
@@ -91,14 +87,11 @@ def test_v41_cases_hold_the_release_storage_and_the_op_attends_them():
     assert (entries.fmt, entries.data.shape, window.fmt, window.data.shape) == ("nvfp4", (1, 300, 288), "mxfp8",
                                                                                 (1, 128, 528))
     assert n_bytes == 128 * 528 + 300 * 288 + 2 * 64 * 512 * 2 + 4 * 300
-    want = sparse_decode_reference(q, window, wlen, entries, sinks, 512 ** -0.5, **extra, out_dtype=jnp.float32)
-    got = sparse_decode(q, window, wlen, entries, sinks, 512 ** -0.5, **extra, kernels="interpret")
-    assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want))) < 1e-2
-    keys, make_keys, _, _ = bench.indexer_case(cfg, 1, 300, "fp4")
+    assert extra["idx_bk"].shape == (1, 300) and q.shape == (1, 64, 512)
+    for rows in (window, entries):  # finite values, scales near 1
+        values = np.asarray(read_rows(rows, np.float32))
+        assert np.isfinite(values).all() and 0 < np.abs(values).max() < 2 ** 12
+    keys, _, _, _ = bench.indexer_case(cfg, 1, 300, "fp4")
     assert (keys.fmt, keys.data.shape) == ("mxfp4", (1, 300, 68))
-    qk, w, n = make_keys(0)
-    want = np.asarray(index_scores_reference(qk, w, keys, n, 128 ** -0.5))
-    got = np.asarray(index_scores(qk[:, None], w[:, None], keys, n[:, None], 128 ** -0.5, kernels="interpret"))[:, 0]
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
     with pytest.raises(ValueError, match="all pick their entries"):
         bench.attention_case(cfg, 1, 300, "fp4", bench.HCA)

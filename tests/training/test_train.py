@@ -56,11 +56,14 @@ def test_loss_is_mean_nll_and_aux_losses_train_only_their_parts(model, rows):
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
+    # Jitted once, the loss weights traced: op-by-op differentiation of the whole model is slower than
+    # compiling it, and both weightings then share one program.
+    grad_fn = jax.jit(jax.grad(lambda p, w_indexer, w_balance: training_loss(
+        nnx.merge(graphdef, p, rest), tokens, LossWeights(w_indexer, w_balance))[0]))
+
     def grads(weights):
-        fn = lambda p: training_loss(nnx.merge(graphdef, p, rest), tokens, weights)[0]  # noqa: E731
-        # Jitted: op-by-op differentiation of the whole model is slower than compiling it.
         return {"/".join(map(str, k)): float(jnp.abs(v.get_value()).sum())
-                for k, v in nnx.to_flat_state(jax.jit(jax.grad(fn))(params))}
+                for k, v in nnx.to_flat_state(grad_fn(params, weights.indexer, weights.balance))}
 
     ce_only, kl_only = grads(LossWeights(0.0, 0.0)), None
     indexer = [k for k in ce_only if "/indexer/" in k]

@@ -5,8 +5,8 @@ Grid (slot, query block, key span): a program takes `block_q` of its slot's quer
 with its head weights, and walks `tiles` blocks of `block_t` consecutive keys. Each key block is loaded
 once for the whole query block, then for each query: one `[block_t, c] × [c, nI]` product (per scale
 group for fp8 keys: the codes, exact in bf16, are multiplied first and the group's row scale applied to
-the fp32 sums; fp4 keys, V4's packed ones or V4.1's MXFP4 records read as they are stored, dequantized
-per 64-channel piece in registers, exactly, to bf16), ReLU, the weighted sum over heads and a row of scores. So a chunk reads its slot's keys
+the fp32 sums; V4.1's MXFP4 key records, read as they are stored, dequantized per 64-channel piece in
+registers, exactly, to bf16), ReLU, the weighted sum over heads and a row of scores. So a chunk reads its slot's keys
 `C / block_q` times, not C times; key blocks past every query's count of the block write −inf without
 reading keys. Only the head-summed `[C, T]` scores reach memory, never the `[C, nI, T]` products.
 
@@ -31,6 +31,7 @@ from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.gpu_fp16 import fp16_rows
 from dsjax.kernels.triton_rows import load_piece, row_pieces, storage
 from dsjax.numerics import precision
+from dsjax.quant import PackedKV
 
 
 def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces, n_rows, fuse):
@@ -135,6 +136,8 @@ def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys
     fastest of a sweep on an H200 at 1M context, 2048 queries (`docs/benchmarks.md`). `fuse` (one product
     for the block's queries and heads) defaults to on where that product has at most `FUSE_ROWS` rows."""
     b, c_len, h, c = q_bchc.shape
+    if isinstance(keys, PackedKV) and keys.fmt != "fp8":  # V4 stores its index keys in fp8 or a float dtype
+        raise CannotTile(f"index_scores_gpu: V4's index keys are stored as fp8 or float, got {keys.fmt}")
     if h % 16 or block_t % 16:
         raise CannotTile(f"index_scores_gpu: index heads ({h}) and block_t ({block_t}) must be multiples of 16")
     pieces = row_pieces(keys, c, "index key")
