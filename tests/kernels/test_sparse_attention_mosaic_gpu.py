@@ -62,8 +62,7 @@ def packed(rows, fmt):
     return Records.of(rows, fmt) if fmt else rows
 
 
-@pytest.mark.parametrize("window_fmt,entries_fmt", [("fp8", "fp8"), ("fp4", "fp4"), (None, "fp8"), ("fp8", None),
-                                                    ("mxfp8", "nvfp4")])
+@pytest.mark.parametrize("window_fmt,entries_fmt", [("fp8", "fp8"), (None, "fp4"), ("fp8", None), ("mxfp8", "nvfp4")])
 def test_packed_rows_are_unpacked_for_the_kernel(window_fmt, entries_fmt):
     """Either table or both packed, V4's way or V4.1's (its release storage: an MXFP8 window, NVFP4 or
     MXFP8 entries, which unpack alike; bf16 rows of the other pass through); within the kernel's bound."""
