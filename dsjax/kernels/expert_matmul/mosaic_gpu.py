@@ -378,7 +378,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     scale_t = group_t + first_expert
     row_scales = storage == "fp4" or fp8_block == 32
     scale_words = -(-k // 1024) * 8
-    if layer is not None and (not row_scales or storage == "fp8" or scale_words != k // 128):
+    if layer is not None and (storage == "fp8" or scale_words != k // 128):
         # the scales are rewritten below: this layer's only
         scale = lax.dynamic_slice_in_dim(scale, first_expert, group_sizes_e.shape[0], axis=0)
         scale_t = group_t
