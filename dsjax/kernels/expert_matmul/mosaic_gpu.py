@@ -178,12 +178,6 @@ def _e4m3_pairs(words):
     return [low, high]
 
 
-def _splat(value, like):
-    """A traced scalar as an array shaped and laid out as `like` (a WGMMA-layout array): Mosaic GPU
-    bitcasts and multiplies arrays of registers, not scalars."""
-    return like * 0 + value
-
-
 def _column(block, c):
     """Column c (a traced index) of an int32 `[64, 8]` block, as one value per row."""
     col = plgpu.broadcasted_iota(jnp.int32, block.shape, 1, layout=_WGMMA)
@@ -199,11 +193,10 @@ def _tiled(columns: int, itemsize: int) -> tuple:
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
           window: int, features: int, words: int, stages: int, in_place: bool, repacked: bool, storage: str,
-          row_scales: bool, interpret: bool):
+          interpret: bool):
     """One program: `window` rows of one expert (the tile's copy, or `in_place` the sorted rows from the
-    multiple of 8 at or before its first) against `features` of its outputs. `row_scales`: the scales
-    arrive as FP4's, a ue8m0 byte per row and 32 inputs (FP4, and FP8 in 32 × 32 blocks, whose rows
-    the wrapper gave each its block's scales); else FP8's 128-blocks as `_fp8_scale_rows` made them."""
+    multiple of 8 at or before its first) against `features` of its outputs. The scales arrive as FP4's,
+    a ue8m0 byte per row and 32 inputs (FP8's blocks repeated so by the wrapper)."""
     t, nb = lax.axis_index("t"), lax.axis_index("n")
     plgpu.copy_gmem_to_smem(tiles_ref.at[pl.ds(t, 1)], tiles_smem, bar)  # [1, 4]: 16 bytes, TMA's least
     plgpu.barrier_wait(bar)
@@ -218,18 +211,11 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
     @pl.when(rows > 0)
     def _():
         j = plgpu.broadcasted_iota(jnp.int32, (features, words), 1, layout=_WGMMA)
-        if not row_scales:
-            # The program's one row of 128-blocks (`_fp8_scale_rows`): each step's scale as fp16 bits, then
-            # the row's largest exponent.
-            plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0 // _FP8_BLOCK, 1)], s_smem, bar)
-            plgpu.barrier_wait(bar)
-            top = s_smem[0, n_k * words // 32]
-        else:
-            plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0, features)], s_smem, bar)  # [64, K/128] scale words
-            plgpu.barrier_wait(bar)
-            everything = plgpu.load(s_smem, layout=_WGMMA, optimized=False)
-            top = functools.reduce(jnp.maximum, [lax.shift_right_logical(everything, 8 * q) & 0xFF for q in range(4)])
-            top = jnp.max(top, axis=1)  # each row's largest ue8m0 exponent
+        plgpu.copy_gmem_to_smem(s_ref.at[g_scale, pl.ds(n0, features)], s_smem, bar)  # [64, K/128] scale words
+        plgpu.barrier_wait(bar)
+        everything = plgpu.load(s_smem, layout=_WGMMA, optimized=False)
+        top = functools.reduce(jnp.maximum, [lax.shift_right_logical(everything, 8 * q) & 0xFF for q in range(4)])
+        top = jnp.max(top, axis=1)  # each row's largest ue8m0 exponent
         # A scale word holds four 32-input groups: 16 code words of FP4, 32 of FP8. A step spans
         # `per_step` scale words, or (FP8, 16 words a step) half of one.
         per_scale_word = 16 if storage == "fp4" else 32
@@ -239,22 +225,19 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         def step(idx, codes_smem, *x_smem):
             (kb,) = idx
             codes = plgpu.load(codes_smem, layout=_WGMMA)  # [64, words] int32
-            if not row_scales:  # one 128-block per step or two: the same scale for the whole step
-                relative = _as_fp16(_splat(s_smem[0, kb * words // 32], j), interpret)
-            else:
-                first = kb * words // per_scale_word
-                c8 = pl.multiple_of(first // 8 * 8, 8)
-                block = plgpu.load(s_smem.at[:, pl.ds(c8, 8)], layout=_WGMMA, optimized=False)
-                # word j's place from the start of its step's first scale word
-                at = j if words % per_scale_word == 0 else j + lax.rem(kb * words, per_scale_word)
-                group = jnp.zeros((features, words), jnp.int32)
-                for i in range(per_step):  # word j's group: byte (at // per_group) % 4 of scale word at // per_scale_word
-                    sw = lax.broadcast_in_dim(_column(block, first + i - c8), (features, words), (0,))
-                    group = jnp.where(at // per_scale_word == i,
-                                      lax.shift_right_logical(sw, 8 * ((at // per_group) % 4)) & 0xFF, group)
-                # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
-                biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, words), (0,)) + 30, 0, 31) << 10
-                relative = _as_fp16(biased | (biased << 16), interpret)
+            first = kb * words // per_scale_word
+            c8 = pl.multiple_of(first // 8 * 8, 8)
+            block = plgpu.load(s_smem.at[:, pl.ds(c8, 8)], layout=_WGMMA, optimized=False)
+            # word j's place from the start of its step's first scale word
+            at = j if words % per_scale_word == 0 else j + lax.rem(kb * words, per_scale_word)
+            group = jnp.zeros((features, words), jnp.int32)
+            for i in range(per_step):  # word j's group: byte (at // per_group) % 4 of scale word at // per_scale_word
+                sw = lax.broadcast_in_dim(_column(block, first + i - c8), (features, words), (0,))
+                group = jnp.where(at // per_scale_word == i,
+                                  lax.shift_right_logical(sw, 8 * ((at // per_group) % 4)) & 0xFF, group)
+            # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
+            biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, words), (0,)) + 30, 0, 31) << 10
+            relative = _as_fp16(biased | (biased << 16), interpret)
             decoded = _e4m3_pairs(codes) if storage == "fp8" else _pairs(codes, repacked)
             for p, pair in enumerate(decoded):
                 a = _as_fp16(pair, interpret) * relative
@@ -280,10 +263,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
 
         acc_ref = None
         acc = pl.run_scoped(pipelined, plgpu.ACC((features, window), jnp.float32))
-        if not row_scales:  # e4m3 · 2^-8 · 2^(s − s_max + 15) · 2^(s_max − 127) · 2^-7 = e4m3 · 2^(s − 127)
-            top_fm = _splat(top, plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=_WGMMA))
-            acc = acc * (pow2(top_fm - 127) * 2.0 ** -7)
-        elif storage == "fp8":  # the same, with each row's own s_max
+        if storage == "fp8":  # e4m3 · 2^-8 · 2^(s − s_max + 15) · 2^(s_max − 127) · 2^-7 = e4m3 · 2^(s − 127)
             acc = acc * lax.broadcast_in_dim(pow2(top - 127) * 2.0 ** -7, acc.shape, (0,))
         else:  # e2m1 · 2^-14 · 2^(s − s_max + 15) · 2^(s_max − 128) = e2m1 · 2^(s − 127)
             acc = acc * lax.broadcast_in_dim(pow2(top - 128), acc.shape, (0,))
@@ -291,17 +271,6 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[t, pl.ds(n0, features)])
         plgpu.wait_smem_to_gmem(0)
-
-
-def _fp8_scale_rows(scale_ebk: jax.Array) -> jax.Array:
-    """FP8 experts' ue8m0 block scales `[E, ⌈N/128⌉, K/128]` → int32 `[E, ⌈N/128⌉, C]`, a row per 128
-    outputs as the kernel reads it: each block's `2^(s − s_max + 15)` as fp16 bits twice (0 below 2^-14;
-    `s_max` the row's largest), then `s_max`, then zeros to whole 16-byte TMA units."""
-    s = lax.bitcast_convert_type(scale_ebk, jnp.uint8).astype(jnp.int32)
-    top = jnp.max(s, axis=-1, keepdims=True)
-    biased = jnp.clip(s - top + 30, 0, 31) << 10
-    rows = jnp.concatenate([biased | (biased << 16), top], axis=-1)
-    return jnp.pad(rows, ((0, 0), (0, 0), (0, -rows.shape[-1] % 4)))
 
 
 @functools.partial(jax.jit, static_argnames=("storage", "block_m", "features", "words", "stages", "row_source",
@@ -313,7 +282,8 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     """`reference.expert_matmul_reference(x_pk, w_enk, scale, group_sizes_e, storage)` as a Mosaic GPU
     kernel, for FP4 experts (`[E, N, K/2]` e2m1 pairs, a ue8m0 scale per row and 32 inputs) or FP8 ones
     (`[E, N, K]` e4m3, a ue8m0 scale per `fp8_block` × `fp8_block` block: 128 as V4 stores them, or 32 as
-    V4.1 does, whose scales are repeated here to a row each, FP4's layout: 1/32 of the codes' bytes). With `layer`, `w_enk` and `scale` are a stack
+    V4.1 does; the scales are repeated here to FP4's layout, a byte per row and 32 inputs: 1/32 of the codes'
+    bytes, rewritten each call). With `layer`, `w_enk` and `scale` are a stack
     of such experts and scales (`[L, E, …]`) and the kernel reads entry `layer` where it lies. `block_m`
     rows of one expert per program (wgmma's N): an expert's codes are decoded once per `block_m` of its
     rows, so prefill wants many; `features` output features per program (64 or 128: one or two wgmma row
@@ -376,26 +346,21 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     window = block_m + 8 if row_source == "window" else block_m  # rows each program reads and computes
     group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
     scale_t = group_t + first_expert
-    row_scales = storage == "fp4" or fp8_block == 32
     scale_words = -(-k // 1024) * 8
     if layer is not None and (storage == "fp8" or scale_words != k // 128):
         # the scales are rewritten below: this layer's only
         scale = lax.dynamic_slice_in_dim(scale, first_expert, group_sizes_e.shape[0], axis=0)
         scale_t = group_t
-    if not row_scales:
-        scale = _fp8_scale_rows(scale)
-        scale_smem = (1, scale.shape[-1])
-    else:
-        scale = lax.bitcast_convert_type(scale, jnp.uint8)
-        if storage == "fp8":  # each row its 32-block's scales: FP4's layout, a byte per row and 32 inputs
-            scale = jnp.repeat(scale, fp8_block, axis=1)
-        # Free view: four groups' scales per int32 word (little-endian).
-        scale = lax.bitcast_convert_type(scale.reshape(scale.shape[0], n, k // 128, 4), jnp.int32)
-        if scale_words != k // 128:  # V4.1's down_proj (2,304 inputs: 18 words a row)
-            # The scales' TMA copy and their WGMMA-layout load take rows of whole 8-word tiles: pad with zero
-            # bytes (2^-127, under every real scale, so each row's largest is unchanged).
-            scale = jnp.pad(scale, ((0, 0), (0, 0), (0, scale_words - k // 128)))
-        scale_smem = (features, scale_words)
+    scale = lax.bitcast_convert_type(scale, jnp.uint8)
+    if storage == "fp8":  # each row its blocks' scales, each 32 inputs' own: FP4's layout, a byte per row and 32 inputs
+        scale = jnp.repeat(jnp.repeat(scale, fp8_block, axis=1)[:, :n], fp8_block // FP4_GROUP, axis=2)
+    # Free view: four groups' scales per int32 word (little-endian).
+    scale = lax.bitcast_convert_type(scale.reshape(scale.shape[0], n, k // 128, 4), jnp.int32)
+    if scale_words != k // 128:  # V4.1's down_proj (2,304 inputs: 18 words a row)
+        # The scales' TMA copy and their WGMMA-layout load take rows of whole 8-word tiles: pad with zero
+        # bytes (2^-127, under every real scale, so each row's largest is unchanged).
+        scale = jnp.pad(scale, ((0, 0), (0, 0), (0, scale_words - k // 128)))
+    scale_smem = (features, scale_words)
     smem = (stages * (features * words * 4 + pairs * window * 2 * words * 2)  # the pipeline's codes and inputs
             + scale_smem[0] * scale_smem[1] * 4 + features * window * 4 + 16)  # scales, results, tile
     if smem > SMEM_BYTES:
@@ -445,7 +410,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
         _body(*refs, n_k=k // (codes_per_word * words), window=window, features=features, words=words,
               stages=stages, in_place=row_source != "copied", repacked=code_layout == "repacked", storage=storage,
-              row_scales=row_scales, interpret=interpret)
+              interpret=interpret)
 
     kernel = plgpu.kernel(
         dsjax_expert_matmul_mosaic, out_type=jax.ShapeDtypeStruct((n_tiles, n, window), jnp.float32),
