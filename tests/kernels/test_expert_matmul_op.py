@@ -37,7 +37,7 @@ def dequantized_matmul(x, q, s, block=(128, 128)):
 def test_kernel_equals_the_dequantized_matmul(g, p, n, k):
     q, s = linears(g, n, k, seed=p)
     x = jnp.asarray(np.random.default_rng(p).standard_normal((g, p, k)) * 3, jnp.bfloat16)
-    got = dense_fp8_matmul(x, q, s, kernels="interpret", max_rows=256)
+    got = dense_fp8_matmul(x, q, s, kernels="interpret", max_rows=256, min_codes=0)
     assert got.shape == (g, p, n) and got.dtype == jnp.bfloat16
     want = dequantized_matmul(x, q, s)
     close(got, want)
@@ -46,8 +46,8 @@ def test_kernel_equals_the_dequantized_matmul(g, p, n, k):
 
 def test_kernel_runs_where_it_tiles_and_the_reference_where_it_does_not(monkeypatch):
     """Interpreted, the kernel runs for up to `max_rows` rows with ue8m0 scales; fp32 scales (which the
-    kernel's power-of-two arithmetic cannot take), more rows, and the committed `DENSE_MAX_ROWS` (0) take
-    the reference."""
+    kernel's power-of-two arithmetic cannot take), more rows, and a linear under the committed
+    `DENSE_MIN_CODES` take the reference."""
     tiled = []  # the kernel calls that returned (dispatch traces a kernel once to see whether it tiles)
     real = op.mosaic_gpu.expert_matmul_mosaic
 
@@ -59,14 +59,32 @@ def test_kernel_runs_where_it_tiles_and_the_reference_where_it_does_not(monkeypa
     monkeypatch.setattr(op.mosaic_gpu, "expert_matmul_mosaic", counted)
     x = jnp.ones((1, 16, 256), jnp.bfloat16)
     q, s = linears(1, 128, 256)
-    dense_fp8_matmul(x, q, s, kernels="interpret", max_rows=256)
+    dense_fp8_matmul(x, q, s, kernels="interpret", max_rows=256, min_codes=0)
     assert tiled and all(c["storage"] == "fp8" and c["block_m"] == 16 for c in tiled)
     tiled.clear()
     q32, s32 = linears(1, 128, 256, scale_fmt="float")
-    close(dense_fp8_matmul(x, q32, s32, kernels="interpret", max_rows=256), dequantized_matmul(x, q32, s32))
-    dense_fp8_matmul(jnp.ones((1, 264, 256), jnp.bfloat16), q, s, kernels="interpret", max_rows=256)
-    dense_fp8_matmul(x, q, s, kernels="interpret")  # DENSE_MAX_ROWS: 0 until the kernel is timed
+    close(dense_fp8_matmul(x, q32, s32, kernels="interpret", max_rows=256, min_codes=0), dequantized_matmul(x, q32, s32))
+    dense_fp8_matmul(jnp.ones((1, 264, 256), jnp.bfloat16), q, s, kernels="interpret", max_rows=256, min_codes=0)
+    dense_fp8_matmul(x, q, s, kernels="interpret")  # 128 × 256 weights: XLA's fused GEMM is faster
     assert not tiled  # fp32 scales: refused with CannotTile; rows past max_rows: not tried
+
+
+@pytest.mark.parametrize("g,n,k,p,takes", [
+    (1, 32768, 1024, 1, True), (1, 4096, 8192, 32, True),  # V4-Flash's q_b and o_b at decode
+    (1, 32768, 1280, 32, True),  # V4.1-Flash's wq_b
+    (1, 32768, 1024, 33, False),  # past DENSE_MAX_ROWS
+    (1, 1024, 4096, 1, False), (8, 1024, 4096, 1, False),  # q_a; o_a's groups of 4M weights each
+])
+def test_the_committed_thresholds_send_the_large_linears_at_decode_to_the_kernel(monkeypatch, g, n, k, p, takes):
+    """What the H200's timings decided (op.DENSE_MAX_ROWS, op.DENSE_MIN_CODES), traced only."""
+    tried = []
+    monkeypatch.setattr(op, "dense_fp8_mosaic", lambda x, *a, **kw: tried.append(x.shape) or x[..., :1] * 0)
+    block = (32, 32) if k == 1280 else (128, 128)
+    w = jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn)
+    s = jax.ShapeDtypeStruct((g, -(-n // block[0]), -(-k // block[1])), jnp.uint8)
+    x = jax.ShapeDtypeStruct((g, p, k), jnp.bfloat16)
+    jax.eval_shape(lambda x, w, s: dense_fp8_matmul(x, w, s, block, kernels="interpret"), x, w, s)
+    assert bool(tried) == takes
 
 
 @pytest.mark.parametrize("g,p,n,k", [
@@ -77,7 +95,7 @@ def test_kernel_on_v41_32_blocks_equals_the_dequantized_matmul(g, p, n, k):
     """V4.1's storage (32 × 32 blocks of ue8m0 scales) through the same kernel."""
     q, s = linears(g, n, k, seed=p, block=(32, 32))
     x = jnp.asarray(np.random.default_rng(p).standard_normal((g, p, k)) * 3, jnp.bfloat16)
-    got = dense_fp8_matmul(x, q, s, (32, 32), kernels="interpret", max_rows=256)
+    got = dense_fp8_matmul(x, q, s, (32, 32), kernels="interpret", max_rows=256, min_codes=0)
     assert got.shape == (g, p, n)
     close(got, dequantized_matmul(x, q, s, (32, 32)))
 
@@ -88,7 +106,7 @@ def test_other_blocks_take_the_dequantized_matmul(monkeypatch):
     monkeypatch.setattr(op.mosaic_gpu, "expert_matmul_mosaic", lambda *a, **kw: pytest.fail("the kernel was tried"))
     q, s = linears(1, 128, 256, block=(64, 64))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 8, 256)), jnp.bfloat16)
-    got = dense_fp8_matmul(x, q, s, (64, 64), kernels="interpret", max_rows=256)
+    got = dense_fp8_matmul(x, q, s, (64, 64), kernels="interpret", max_rows=256, min_codes=0)
     close(got, dequantized_matmul(x, q, s, (64, 64)))
     with pytest.raises(CannotTile, match=r"square scale blocks of \(128, 32\), not \(64, 64\)"):
         op.dense_fp8_mosaic(x, q, s, (64, 64), interpret=True)
@@ -121,7 +139,7 @@ def test_native_kernel_on_v4_flash_attention_linears(g, n, k, p):
     """Compiled, at V4-Flash's q_b, grouped o_a and o_b shapes and decode batches."""
     q, s = linears(g, n, k)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((g, p, k)), jnp.bfloat16)
-    close(dense_fp8_matmul(x, q, s, max_rows=256), dequantized_matmul(x, q, s))
+    close(dense_fp8_matmul(x, q, s, max_rows=256, min_codes=0), dequantized_matmul(x, q, s))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
@@ -131,4 +149,4 @@ def test_native_kernel_on_v41_flash_attention_linears(g, n, k, p):
     """Compiled, at V4.1-Flash's wq_b, wq_a and wo_b shapes in its 32 × 32 blocks."""
     q, s = linears(g, n, k, block=(32, 32))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((g, p, k)), jnp.bfloat16)
-    close(dense_fp8_matmul(x, q, s, (32, 32), max_rows=256), dequantized_matmul(x, q, s, (32, 32)))
+    close(dense_fp8_matmul(x, q, s, (32, 32), max_rows=256, min_codes=0), dequantized_matmul(x, q, s, (32, 32)))

@@ -23,9 +23,9 @@ def grouped_product(layer, x):
 
 
 def test_fp8_linears_compute_the_dequantized_product_by_default():
-    """`DENSE_MAX_ROWS` is 0 until the kernel is timed: the same numbers as dequantize-then-einsum, bit for
-    bit, whatever `kernels` says."""
-    assert op.DENSE_MAX_ROWS == 0
+    """Linears under `DENSE_MIN_CODES` weights (as every test model's): the same numbers as
+    dequantize-then-einsum, bit for bit, whatever `kernels` says."""
+    assert 256 * 192 < op.DENSE_MIN_CODES
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 256)), jnp.bfloat16)
     layer = fp8(lambda **kw: Linear(256, 192, **kw))
     layer.kernels = "interpret"
@@ -41,6 +41,7 @@ def test_fp8_linears_compute_the_dequantized_product_by_default():
 def test_fp8_linears_through_the_kernel_equal_the_dequantized_product(monkeypatch, block):
     """V4's blocks and V4.1's."""
     monkeypatch.setattr(op, "DENSE_MAX_ROWS", 256)
+    monkeypatch.setattr(op, "DENSE_MIN_CODES", 0)
     calls = []
     real = op.dense_fp8_mosaic
     monkeypatch.setattr(op, "dense_fp8_mosaic", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
@@ -63,6 +64,7 @@ def test_prefill_rows_and_groups_that_split_a_scale_block_keep_the_dequantized_p
     """Past `DENSE_MAX_ROWS` rows, or with groups of 96 outputs (each 128-row block of scales would span
     two groups), the kernel is not tried."""
     monkeypatch.setattr(op, "DENSE_MAX_ROWS", 256)
+    monkeypatch.setattr(op, "DENSE_MIN_CODES", 0)
     monkeypatch.setattr(op, "dense_fp8_mosaic", lambda *a, **kw: pytest.fail("the kernel was tried"))
     grouped = fp8(lambda **kw: GroupedLinear(256, out, 2, **kw))
     grouped.kernels = "interpret"

@@ -21,9 +21,10 @@ from dsjax.stacked import StackedSlice, as_array
 # Rows per expert above which dequantizing the experts once (reference) beats the Triton kernel, which
 # reads an expert's codes again for every 16 of its rows; decode steps have a few rows per expert.
 KERNEL_MAX_ROWS_PER_EXPERT = 64
-# Choices built but not yet timed on a GPU (docs/kernels.md; `scripts/measure_lowprec_decode.sh` times
-# them): where the Mosaic kernel's tiles read their rows ("copied", or "aligned": no tile copies), and
-# whether FP8 experts at decode take the Mosaic kernel before the Triton one.
+# Where the Mosaic kernel's tiles read their rows: "copied" out first, or "aligned" (no tile copies). On the
+# H200 (docs/benchmarks.md, 2026-12-05) "aligned" was slower in 8 of 12 cells at 32-256 tokens and faster in
+# none by more than the noise. FP8 experts at decode: the Mosaic kernel measured 2-6% ahead of the Triton
+# one in single runs (inside the runs' spread) while it rewrites the experts' scales on every call: Triton.
 ROW_SOURCE = "copied"
 FP8_MOSAIC = False
 
@@ -61,23 +62,26 @@ def _mosaic_fp8_block(block: tuple[int, int]) -> int | None:
     return block[0] if block[0] == block[1] and block[0] in mosaic_gpu.FP8_BLOCKS else None
 
 
-# Rows up to which `dense_fp8_matmul` takes the kernel (decode; past them, in prefill, the weight's codes are
-# a small part of the work and dequantizing once for XLA's tuned GEMM is the better trade). 0 for now: the
-# kernel is correct interpreted but not yet timed against XLA's dequantize-then-GEMM on a GPU
-# (`bench_kernels.py dense-fp8`, docs/kernels.md); 256 is the setting to measure.
-DENSE_MAX_ROWS = 0
+# Where `dense_fp8_matmul` takes the kernel: up to DENSE_MAX_ROWS rows (decode) and for a linear of at least
+# DENSE_MIN_CODES weights (per group). Measured on the H200 against XLA's dequantize-then-GEMM
+# (`bench_kernels.py dense-fp8`, docs/benchmarks.md 2026-12-05): the kernel takes V4's and V4.1's q_b and o_b
+# (32M-42M codes) from 0.073-0.105 ms to 0.035-0.057 ms at 1 and 32 rows, ties at 128 rows, and loses on the
+# linears of 4M-12M codes (q_a, the shared expert, o_a's groups), where XLA's fused GEMM takes 0.010-0.044 ms.
+DENSE_MAX_ROWS = 32
+DENSE_MIN_CODES = 1 << 24
 
 
 def dense_fp8_matmul(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, block: tuple[int, int] = (128, 128), *,
                      kernels: str = "auto", reference: Callable[[], jax.Array] | None = None,
-                     max_rows: int | None = None) -> jax.Array:
+                     max_rows: int | None = None, min_codes: int | None = None) -> jax.Array:
     """`[G, P, K] · [G, N, K]ᵀ → [G, P, N]`: G dense FP8 linears (e4m3 with a scale per `block`,
     `scale [G, ⌈N/b0⌉, ⌈K/b1⌉]`), each over its own P rows (G = 1: one linear; G > 1: a grouped
-    projection such as attention's output). Up to `DENSE_MAX_ROWS` rows on GPUs, with ue8m0 scales over
+    projection such as attention's output). Up to `DENSE_MAX_ROWS` rows of linears of at least
+    `DENSE_MIN_CODES` weights (each) on GPUs, with ue8m0 scales over
     128 × 128 blocks (V4) or 32 × 32 (V4.1), the Mosaic GPU expert kernel reads the codes once, as they are stored (each linear
     an expert that all its rows use), so no dequantized copy of the weight is written; elsewhere, and
     where it does not tile, the weight is dequantized to x's dtype for one batched matmul, or `reference()`
-    if given (a caller's own form of the same product). `max_rows` overrides `DENSE_MAX_ROWS`."""
+    if given (a caller's own form of the same product). `max_rows` and `min_codes` override the two."""
     g, p, k = x_gpk.shape
     if w_gnk.shape[0] != g or w_gnk.shape[2] != k:
         raise ValueError(f"dense_fp8_matmul: weights {w_gnk.shape} do not match inputs {x_gpk.shape} ([G, N, K] "
@@ -89,7 +93,9 @@ def dense_fp8_matmul(x_gpk: jax.Array, w_gnk: jax.Array, scale: jax.Array, block
     def mosaic(interpret: bool) -> jax.Array:
         return dense_fp8_mosaic(x_gpk, w_gnk, scale, block, interpret=interpret)
 
-    takes = p <= (DENSE_MAX_ROWS if max_rows is None else max_rows) and _mosaic_fp8_block(block) is not None
+    takes = (p <= (DENSE_MAX_ROWS if max_rows is None else max_rows)
+             and w_gnk.shape[1] * k >= (DENSE_MIN_CODES if min_codes is None else min_codes)
+             and _mosaic_fp8_block(block) is not None)
     return dispatch(reference or dequantized, kernels=kernels, gpu=[mosaic] if takes else [])
 
 
