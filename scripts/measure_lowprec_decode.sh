@@ -9,11 +9,11 @@
 # - kernels: bench_kernels.py fp4-experts (rows copied or aligned, checkpoint or repacked codes), fp8-experts
 #            (Mosaic against Triton), dense-fp8 (the kernel against XLA's dequantize-then-GEMM).
 # - model:   dsjax bench, V4-Flash width, 4 layers, release storage, batch 32 and 128, 512-token prompts:
-#            as committed, then with op.DENSE_MAX_ROWS = 256, then with op.ROW_SOURCE = "aligned".
+#            as committed, then with the dense FP8 kernel off (op.DENSE_MAX_ROWS = 0: its effect on the model).
 # - v41:     V4.1-Flash's kernels in its released storage: dense-fp8 at its widths (32 × 32 FP8 blocks), decode
 #            attention and the indexer at batch 64 × 128K over bf16 rows and the release's cache records.
 # - v41model: dsjax bench on the 8-layer V4.1 slice of docs/benchmarks.md with --kv-dtype fp4, as committed and
-#            with DENSE_MAX_ROWS = 256.
+#            with the dense FP8 kernel off.
 set -uo pipefail
 usage="usage: measure_lowprec_decode.sh OUT [tests|kernels|model|v41|v41model|all]"
 out=${1:?$usage}
@@ -52,8 +52,7 @@ sys.exit(main(['bench', $args '--slots', '32', '128', '--prompt-len', '512', '--
 if [ "$what" = all ] || [ "$what" = model ]; then
   v4=(--preset v4-flash --layers 4 --weights keep)
   model model_committed "" "${v4[@]}"
-  model model_dense256 "op.DENSE_MAX_ROWS = 256" "${v4[@]}"
-  model model_aligned "op.ROW_SOURCE = 'aligned'" "${v4[@]}"
+  model model_dense_off "op.DENSE_MAX_ROWS = 0" "${v4[@]}"
 fi
 if [ "$what" = all ] || [ "$what" = v41 ]; then
   run dense_fp8_v41 200 "$py" scripts/bench_kernels.py dense-fp8 --preset v4.1-flash --tokens 1 32 128 256 \
@@ -66,7 +65,7 @@ fi
 if [ "$what" = all ] || [ "$what" = v41model ]; then
   v41=(--preset v4.1-flash --layers 0,1,2,3,20,21,24,25 --engram-rows 4194304 --weights keep --kv-dtype fp4)
   model model_v41_committed "" "${v41[@]}"
-  model model_v41_dense256 "op.DENSE_MAX_ROWS = 256" "${v41[@]}"
+  model model_v41_dense_off "op.DENSE_MAX_ROWS = 0" "${v41[@]}"
 fi
 "$py" - "$out" <<'PY'
 import json, pathlib, sys
