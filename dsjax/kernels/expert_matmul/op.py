@@ -65,8 +65,9 @@ def _mosaic_fp8_block(block: tuple[int, int]) -> int | None:
 # Where `dense_fp8_matmul` takes the kernel: up to DENSE_MAX_ROWS rows (decode) and for a linear of at least
 # DENSE_MIN_CODES weights (per group). Measured on the H200 against XLA's dequantize-then-GEMM
 # (`bench_kernels.py dense-fp8`, docs/benchmarks.md 2026-12-05): the kernel takes V4's and V4.1's q_b and o_b
-# (32M-42M codes) from 0.073-0.105 ms to 0.035-0.057 ms at 1 and 32 rows, ties at 128 rows, and loses on the
-# linears of 4M-12M codes (q_a, the shared expert, o_a's groups), where XLA's fused GEMM takes 0.010-0.044 ms.
+# (32M-42M codes) from 0.073-0.105 ms to 0.035-0.081 ms at 1 and 32 rows and ties at 128 rows; on the linears
+# of 4M-12M codes (q_a, the shared expert, o_a's groups), where XLA's fused GEMM takes 0.010-0.044 ms, it lost
+# 12 of 16 cells (o_a at 32 rows, which it won, is left to XLA with the rest).
 DENSE_MAX_ROWS = 32
 DENSE_MIN_CODES = 1 << 24
 
