@@ -74,27 +74,26 @@ def test_under_a_mesh_the_op_runs_on_each_devices_slots():
     assert err < 1e-5, err
 
 
-def v41_stored(args, window_fmt="mxfp8", entries_fmt="nvfp4"):
-    """The inputs with V4.1's release storage: an MXFP8 window ring, NVFP4 (or MXFP8) entries."""
+def v41_stored(args):
+    """The inputs with V4.1's release storage: an MXFP8 window ring, NVFP4 entries."""
     q, window, n, entries, *rest = args
-    return (q, Records.of(window, window_fmt), n, Records.of(entries, entries_fmt), *rest)
+    return (q, Records.of(window, "mxfp8"), n, Records.of(entries, "nvfp4"), *rest)
 
 
-@pytest.mark.parametrize("entries_fmt", ["nvfp4"])
-def test_v41_records_reach_the_gpu_kernels_not_the_reference(entries_fmt):
+def test_v41_records_reach_the_gpu_kernels_not_the_reference():
     """At 64 heads of 512 the Mosaic kernel (on the window and picks unpacked by XLA), narrower the
     Triton one (likewise); no TPU kernel reads records, so lowered for tpu the reference runs."""
     args, kw = inputs(0, 2, 48, 300, 100)
-    text = cuda_module(v41_stored(args, entries_fmt=entries_fmt), kw)
+    text = cuda_module(v41_stored(args), kw)
     assert "dsjax_sparse_decode_mosaic" in text
     narrow, narrow_kw = triton_inputs(1, "bfloat16", b=2, h=16, d=128)
     fn = jax.jit(lambda q, w, n, e, s: sparse_decode(q, w, n, e, s, 128 ** -0.5, **narrow_kw))
     h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
     with jax.sharding.use_abstract_mesh(h200):
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
-            *v41_stored(narrow, entries_fmt=entries_fmt)[:5]).mlir_module()
+            *v41_stored(narrow)[:5]).mlir_module()
     assert 'name = "dsjax_sparse_decode"' in text and "dsjax_sparse_decode_mosaic" not in text
-    tpu = jax.export.export(fn, platforms=["tpu"])(*v41_stored(narrow, entries_fmt=entries_fmt)[:5]).mlir_module()
+    tpu = jax.export.export(fn, platforms=["tpu"])(*v41_stored(narrow)[:5]).mlir_module()
     assert "tpu_custom_call" not in tpu
 
 

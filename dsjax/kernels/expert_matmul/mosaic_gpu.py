@@ -63,7 +63,7 @@ _SIGNS = int(np.uint32(0x80008000).view(np.int32))  # the sign bits of two fp16s
 _MAGNITUDES = 0x0E000E00  # where an e2m1 magnitude sits in each of two fp16s (`e2m1 · 2^-14`)
 _SIGNED_MAGNITUDES = int(np.uint32(0x8E008E00).view(np.int32))  # both
 _E4M3_MAGNITUDES = 0x3F803F80  # where an e4m3's exponent and mantissa sit in each of two fp16s (`e4m3 · 2^-8`)
-_FP8_BLOCK = 128  # FP8 experts' scale blocks: 128 outputs × 128 inputs (V4), or FP8_BLOCKS' other (V4.1)
+_SCALE_WORD_INPUTS = 128  # inputs whose scales one int32 scale word holds: four groups of 32
 FP8_BLOCKS = (128, 32)  # the square FP8 scale blocks the kernel reads: V4's 128 × 128 and V4.1's 32 × 32
 CODE_LAYOUTS = ("checkpoint", "repacked")
 ROW_SOURCES = ("copied", "window", "aligned")  # where a program reads its tile's rows (`expert_matmul_mosaic`)
@@ -338,7 +338,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
         stored_k, scale_shape = k // 2, (e, n, k // FP4_GROUP)
     else:
         stored_k, scale_shape = k, (e, -(-n // fp8_block), -(-k // fp8_block))
-    if (k % (codes_per_word * words) or k % _FP8_BLOCK or n % features or w_enk.shape[2] != stored_k
+    if (k % (codes_per_word * words) or k % _SCALE_WORD_INPUTS or n % features or w_enk.shape[2] != stored_k
             or jnp.dtype(w_enk.dtype).itemsize != 1 or scale.shape != scale_shape):
         raise CannotTile(f"expert_matmul_mosaic: {storage.upper()} experts {w_enk.dtype} {w_enk.shape} with scales "
                          f"{scale.shape} against {k} inputs do not tile (inputs by {codes_per_word * words}, "
