@@ -33,11 +33,10 @@ def process_env(local_devices: int, **extra: str) -> dict[str, str]:
 
 
 def run_processes(commands: list[list[str]], envs: list[dict[str, str]], timeout: float = 600,
-                  grace: float = 60) -> tuple[list[int], list[str]]:
+                  grace: float = 20) -> tuple[list[int], list[str]]:
     """Start one process per command (cwd: the repository), wait for all; returns (exit codes, logs:
     stdout and stderr together). Once one fails, the others get `grace` seconds before they are killed
-    (they may be waiting for it in a collective; on the loaded 2-core CI machine a process that failed
-    with the first took over 20 s more to leave jax's shutdown)."""
+    (they may be waiting for it in a collective)."""
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd, env in zip(commands, envs)]
     logs: list[str | None] = [None] * len(procs)
