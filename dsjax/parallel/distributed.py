@@ -155,27 +155,39 @@ def process_count() -> int:
 def broadcast_bytes(data: bytes) -> bytes:
     """Process 0's `data` on every process (what the others pass is ignored). Collective: every process
     must call it at the same point."""
-    from jax.experimental import multihost_utils
-
     if process_count() == 1:
         return data
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
-    if n == 0:
-        return b""
+    n = int(_exchange(np.array([len(data)], np.int64))[0, 0])
     buf = np.frombuffer(data, np.uint8) if process_index() == 0 else np.zeros(n, np.uint8)
-    return np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes()
+    return _exchange(buf)[0].tobytes()
 
 
 def allgather_bytes(data: bytes, size: int) -> list[bytes]:
     """Every process's `data` (exactly `size` bytes on each), in process order. Collective."""
-    from jax.experimental import multihost_utils
-
     if len(data) != size:
         raise ValueError(f"allgather_bytes: expected {size} bytes, got {len(data)}")
     if process_count() == 1:
         return [data]
-    out = np.asarray(multihost_utils.process_allgather(np.frombuffer(data, np.uint8)), np.uint8)
-    return [row.tobytes() for row in out.reshape(process_count(), size)]
+    return [row.tobytes() for row in _exchange(np.frombuffer(data, np.uint8))]
+
+
+def _exchange(row: np.ndarray) -> np.ndarray:
+    """Every process's `row` (one shape and dtype on all) stacked in process order, returned only once every
+    local device has done its part of the collective. jax's `multihost_utils` helpers return as soon as the
+    first local device has: a process that then exits can leave its other devices' collectives, and a
+    peer's, unfinished, and a multi-process job that refused its input hung at exit so."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count()),
+                ("processes", "local"))
+    rows = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec("processes")), row[None])
+    out = jax.jit(_copy, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
+    return np.asarray(out.block_until_ready().addressable_data(0))
+
+
+def _copy(x):
+    return x
 
 
 def describe(processes: Sequence[int]) -> str:
