@@ -117,14 +117,44 @@ FLOAT32_GPU_FLAGS = ("--xla_gpu_autotune_level=0", "--xla_gpu_enable_triton_gemm
 
 def use_float32_gpu_flags() -> bool:
     """Add `FLOAT32_GPU_FLAGS` to `XLA_FLAGS` (those the user has not set either way), if jax has not
-    started a backend yet (XLA reads the flags then). Returns whether they apply. They change nothing on
-    CPUs or TPUs."""
+    started a backend yet (XLA reads the flags then) and may start a GPU one. Returns whether they apply.
+
+    Where no GPU can be used (`JAX_PLATFORMS` names no GPU platform, or no GPU plugin is installed) they
+    are left out: they would change nothing there but the compile cache's keys (the XLA flags are part of
+    them), so the programs of a command would never match those the same work compiled in a Python
+    process without the flags (a notebook, a test)."""
     from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
+    if xla_bridge.backends_are_initialized() or not may_use_a_gpu(jax.config.jax_platforms, _plugin_names()):
         return False
     flags = os.environ.get("XLA_FLAGS", "")
     extra = [f for f in FLOAT32_GPU_FLAGS if f.split("=")[0] not in flags]
     if extra:
         os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
     return True
+
+
+_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+
+
+def may_use_a_gpu(platforms: str | None, plugins: list[str]) -> bool:
+    """Whether jax, once started, may run on a GPU: `platforms` (`JAX_PLATFORMS`, comma-separated) names
+    one, or, where it is empty, one of the installed `plugins` (names of jax plugin modules) is a GPU's."""
+    if platforms and platforms.strip():
+        return any(p.strip().lower() in _GPU_PLATFORMS for p in platforms.split(","))
+    return any(gpu in name.lower() for name in plugins for gpu in ("cuda", "rocm"))
+
+
+def _plugin_names() -> list[str]:
+    """The jax plugins installed, found as jax finds them: `jax_plugins` modules and entry points."""
+    import importlib.metadata
+    import pkgutil
+
+    names = [f"{ep.name} {ep.value}" for ep in importlib.metadata.entry_points(group="jax_plugins")]
+    try:
+        import jax_plugins
+
+        names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    except ImportError:
+        pass
+    return names

@@ -17,7 +17,7 @@ import pytest
 from absl import logging as absl_logging
 
 from dsjax import cli
-from dsjax.compile_cache import cache_dir, enable_compile_cache
+from dsjax.compile_cache import cache_dir, enable_compile_cache, may_use_a_gpu
 from dsjax.demo import parsed_response
 from tests.test_demo import check_demo_prints_parsed_code_and_writes_every_response
 
@@ -196,6 +196,52 @@ def test_a_changed_config_compiles_its_programs_anew(cold, tiny_job, tmp_path):
     new = set(_entries(cache)) - before  # each program compiled is added
     assert len(new) == changed["programs_compiled"] - changed["programs_from_cache"]
     assert any("decode" in name for name in new) and any("prefill" in name for name in new)  # the main steps
+
+
+def test_a_command_loads_what_the_same_job_compiled_in_a_python_process(tiny_job, tmp_path):
+    """A notebook's `run_job` with dsjax's cache on, then the same job as a command on this CPU machine: the
+    command compiles nothing. (float32 commands add two GPU-only XLA flags, and the flags are part of jax's
+    key: where no GPU can run they are left out, else no program of a command matched one compiled without
+    them.)"""
+    from dsjax.batch.job import JobConfig, run_job
+    from dsjax.compile_cache import compile_cache
+    from dsjax.run_config import RunConfig
+
+    cache = tmp_path / "cache"
+    jax.clear_caches()  # as in a fresh notebook: this process compiles (and so stores) every program the job runs
+    with compile_cache(str(cache)):
+        first = run_job(JobConfig(model=tiny_job["model"], input=tiny_job["input"], output=str(tmp_path / "lib.jsonl"),
+                                  run=RunConfig(slots=2, max_len=64, chunk_size=16, dtype="float32"),
+                                  served_model_names=("tiny",), progress=False))
+    assert first["programs_compiled"] > 10 and first["programs_from_cache"] == 0
+    out = tmp_path / "command.jsonl"
+    command = _result(_generate(tiny_job, out, _env(cache)), out)
+    assert command["programs_loaded"] == len(os.listdir(cache / "programs")) > 0
+    assert command["programs_from_cache"] == command["programs_compiled"]
+    with open(tmp_path / "lib.jsonl") as f:
+        assert {r["custom_id"]: parsed_response(r["response"]["body"]) for r in map(json.loads, f)} == {
+            cid: answer for cid, (answer, _) in command["answers"].items()}
+
+
+@pytest.mark.parametrize("platforms, plugins, gpu", [
+    ("cpu", ["xla_cuda12 jax_plugins.xla_cuda12"], False), ("cuda", [], True), ("cpu,cuda", [], True),
+    ("ROCM", [], True), ("tpu", [], False), ("", ["xla_cuda12 jax_plugins.xla_cuda12"], True),
+    (None, ["jax_plugins.xla_rocm7"], True), (None, ["xla_tpu"], False), ("", [], False)])
+def test_a_gpu_may_run_where_jax_platforms_names_one_or_else_a_gpu_plugin_is_installed(platforms, plugins, gpu):
+    assert may_use_a_gpu(platforms, plugins) is gpu
+
+
+@pytest.mark.parametrize("platforms, applied", [("cpu", False), ("cuda", True)])
+def test_float32_gpu_flags_are_added_only_where_a_gpu_may_run(platforms, applied):
+    """In a fresh process (before any backend starts), as `dsjax generate` calls it; a flag the user set
+    either way is kept."""
+    code = ("import os; from dsjax.compile_cache import use_float32_gpu_flags; "
+            "print(use_float32_gpu_flags(), os.environ['XLA_FLAGS'])")
+    env = {**os.environ, "JAX_PLATFORMS": platforms, "XLA_FLAGS": "--xla_gpu_autotune_level=2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = "--xla_gpu_autotune_level=2" + (" --xla_gpu_enable_triton_gemm=false" if applied else "")
+    assert done.stdout.strip() == f"{applied} {want}"
 
 
 def test_two_processes_share_one_empty_cache_then_a_third_loads_from_it(tiny_job, tmp_path):
