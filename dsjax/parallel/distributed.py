@@ -158,6 +158,8 @@ def broadcast_bytes(data: bytes) -> bytes:
     if process_count() == 1:
         return data
     n = int(_exchange(np.array([len(data)], np.int64))[0, 0])
+    if n == 0:
+        return b""
     buf = np.frombuffer(data, np.uint8) if process_index() == 0 else np.zeros(n, np.uint8)
     return _exchange(buf)[0].tobytes()
 
