@@ -222,6 +222,7 @@ def _bench(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from dsjax.bench import DeviceRates, bench, bench_config, format_report, measure_rates, random_model
+    from dsjax.model import expert_code_layout, with_code_layout
 
     if args.model and args.layers:
         raise ValueError("--layers cuts a preset built with random weights; a --model folder runs whole")
@@ -250,6 +251,7 @@ def _bench(args: argparse.Namespace) -> int:
 
             model = shard_model(model, mesh)
         name = args.preset
+    model = with_code_layout(model, expert_code_layout(run.kernels, jax.default_backend()))
     rates = (DeviceRates(args.copy_tbps * 1e12, args.matmul_tflops * 1e12) if args.copy_tbps
              else measure_rates())
     where = f"{mesh.size} × {mesh.devices.flat[0].device_kind}" if mesh is not None else jax.devices()[0].device_kind

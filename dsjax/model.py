@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dsjax.cache import Cache
 from dsjax.config import ModelConfig
+from dsjax.kernels.expert_matmul.fp4_codes import check_layout, repack_codes, unrepack_codes
 from dsjax.layers.decoder_layer import DecoderLayer
+from dsjax.layers.experts import EXPERT_LEAVES, RoutedExperts
 from dsjax.layers.demo_vision import DemoVisionEncoder
 from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import HyperHead
@@ -262,6 +266,49 @@ def with_kernels(model: nnx.Module, kernels: str) -> nnx.Module:
     model = nnx.merge(*nnx.split(model))
     model.set_attributes(kernels=kernels, raise_if_not_found=False)
     return model
+
+
+def expert_code_layout(kernels: str, platform: str) -> str:
+    """The FP4 expert codes' layout for a run whose kernels are `kernels` on `platform` (a JAX backend name):
+    "repacked" where the GPU kernels read them ("auto" on GPUs, "interpret" anywhere), which decode it in
+    fewer operations (the FP4 kernel 6-12% faster at 128 and 256 tokens on the H200, docs/benchmarks.md);
+    else "checkpoint"."""
+    check_choice("kernels", kernels, KERNELS)
+    return "repacked" if kernels == "interpret" or (kernels == "auto" and platform == "gpu") else "checkpoint"
+
+
+def _fp4_experts(model: nnx.Module) -> Iterator[tuple[tuple, RoutedExperts]]:
+    for path, module in nnx.iter_graph(model):
+        if isinstance(module, RoutedExperts) and module.storage == "fp4":
+            yield tuple(path), module
+
+
+def with_code_layout(model: nnx.Module, code_layout: str) -> nnx.Module:
+    """`model` with its FP4 experts' codes in `code_layout` (`fp4_codes.CODE_LAYOUTS`): a new module tree
+    over the same weights, but the codes it moves, which it takes from `model` (their buffers are donated
+    to the move, so the experts are never held twice): use only the returned model. Other weights, and
+    models without FP4 experts, stay as they are. `stored_variables` gives the checkpoint's layout back."""
+    check_layout(code_layout, "with_code_layout")
+    model = nnx.merge(*nnx.split(model))
+    move = jax.jit(repack_codes if code_layout == "repacked" else unrepack_codes, donate_argnums=0)
+    for _, experts in _fp4_experts(model):
+        if experts.code_layout == code_layout:
+            continue
+        for name in EXPERT_LEAVES:
+            var = getattr(experts, name)
+            var.set_value(move(var.get_value()))
+        experts.code_layout = code_layout
+    return model
+
+
+def stored_variables(model: nnx.Module) -> Iterator[tuple[tuple, np.ndarray]]:
+    """(path, numpy array) for every variable of `model`, as a checkpoint stores it: FP4 expert codes
+    in the checkpoint's layout whatever layout the model holds them in (`with_code_layout`)."""
+    repacked = {path + (name,) for path, experts in _fp4_experts(model) if experts.code_layout != "checkpoint"
+                for name in EXPERT_LEAVES}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        value = var.get_value()
+        yield path, np.asarray(unrepack_codes(value) if tuple(path) in repacked else value)
 
 
 def abstract_state(cfg: ModelConfig, dtype=jnp.bfloat16) -> tuple[nnx.GraphDef, list]:

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.config import QuantConfig
-from dsjax.layers.experts import quantize_experts
+from dsjax.layers.experts import EXPERT_LEAVES, quantize_experts
 from dsjax.layers.linear import quantize_weight
 from dsjax.model import DeepseekV4
 
-EXPERT_LEAVES = ("gate_up_proj", "down_proj")
 # What DeepSeek-V4 releases use: power-of-two scales and FP4 routed experts.
 V4_QUANT = QuantConfig(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
 

@@ -503,7 +503,8 @@ def bench_fp4_experts(args, cfg, bandwidth, storage: str = "fp4"):
     must move at least (the codes and scales of the experts with rows, the rows in and out) and their share of
     the copy bandwidth.
     Errors are against the reference."""
-    from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic, repack_codes
+    from dsjax.kernels.expert_matmul.fp4_codes import repack_codes
+    from dsjax.kernels.expert_matmul.mosaic_gpu import expert_matmul_mosaic
     from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
     from dsjax.kernels.expert_matmul.triton import expert_matmul_gpu
 

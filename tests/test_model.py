@@ -138,3 +138,60 @@ def test_with_kernels_sets_every_kernel_backed_operation_over_the_same_weights()
     assert nnx.split(chosen)[0] != nnx.split(model)[0]  # a different program, jit compiles it apart
     with pytest.raises(RunConfigError, match="kernels must be one of"):
         with_kernels(model, "triton")
+
+
+def test_repacked_fp4_experts_give_the_same_logits_and_save_as_the_checkpoint():
+    """`with_code_layout` moves the FP4 experts' codes into the kernels' layout once: the reference and the
+    interpreted kernels give the same logits as from the checkpoint's layout, bit for bit; what a save
+    writes (`stored_variables`) is the checkpoint's bytes; the programs differ (their key does); and
+    "checkpoint" moves the codes back."""
+    import pytest
+
+    from dsjax.bench import random_model
+    from dsjax.checkpoint.save import hf_tensors
+    from dsjax.model import stored_variables, with_code_layout
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 6)), jnp.int32)
+    original = random_model(_quantized_group_cfg())
+    want = {k: np.asarray(with_kernels(original, k).forward(ids)) for k in ("reference", "interpret")}
+    saved = dict(hf_tensors(original))
+    raw = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(random_model(
+        _quantized_group_cfg())))}
+
+    repacked = with_code_layout(random_model(_quantized_group_cfg()), "repacked")
+    moved = {path for path, v in nnx.to_flat_state(nnx.state(repacked))
+             if not np.array_equal(np.asarray(v.get_value()), raw[path])}
+    assert moved == {("groups", 0, "layers", 0, "mlp", "experts", leaf) for leaf in ("gate_up_proj", "down_proj")}
+    for k in ("reference", "interpret"):
+        np.testing.assert_array_equal(np.asarray(with_kernels(repacked, k).forward(ids)), want[k], err_msg=k)
+    assert {path: v for path, v in stored_variables(repacked)}.keys() == raw.keys()
+    for path, v in stored_variables(repacked):
+        np.testing.assert_array_equal(v, raw[path], err_msg=str(path))
+    assert saved.keys() == dict(hf_tensors(repacked)).keys()
+    for name, v in hf_tensors(repacked):
+        np.testing.assert_array_equal(v, saved[name], err_msg=name)
+    assert nnx.split(repacked)[0] != nnx.split(original)[0]
+
+    back = with_code_layout(repacked, "checkpoint")
+    for path, v in nnx.to_flat_state(nnx.state(back)):
+        np.testing.assert_array_equal(np.asarray(v.get_value()), raw[path], err_msg=str(path))
+    assert nnx.split(back)[0] == nnx.split(original)[0]
+    with pytest.raises(ValueError, match="with_code_layout: code_layout must be one of .* got 'marlin'"):
+        with_code_layout(back, "marlin")
+
+
+def test_only_fp4_experts_are_repacked_and_only_where_the_gpu_kernels_read_them():
+    import pytest
+
+    from dsjax.model import expert_code_layout, with_code_layout
+    from dsjax.run_config import RunConfigError
+
+    assert [expert_code_layout(k, p) for k, p in (("auto", "gpu"), ("interpret", "cpu"), ("auto", "cpu"),
+                                                  ("auto", "tpu"), ("reference", "gpu"))] == \
+        ["repacked", "repacked", "checkpoint", "checkpoint", "checkpoint"]
+    with pytest.raises(RunConfigError, match="kernels must be one of"):
+        expert_code_layout("triton", "gpu")
+    model = DeepseekV4(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)  # float experts
+    same = with_code_layout(model, "repacked")
+    assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(same))))
+    assert nnx.split(same)[0] == nnx.split(model)[0]

@@ -43,6 +43,7 @@ from dsjax.engine.pixels import ImageError, decode_image
 from dsjax.engine.programs import program_store
 from dsjax.engine.scheduler import Request, StepTimer, run
 from dsjax.engine.slots import prefill_buckets, prefill_rows
+from dsjax.model import expert_code_layout, with_code_layout
 from dsjax.parallel import distributed
 from dsjax.run_config import RunConfig
 
@@ -202,6 +203,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
             else:
                 t = time.perf_counter()
                 model = load_model(cfg.model, dtype=cfg.run.jnp_dtype, weights=cfg.run.weights, mesh=setup.mesh)
+                model = with_code_layout(model, expert_code_layout(cfg.run.kernels, jax.default_backend()))
                 phase["load"] = time.perf_counter() - t
                 phase["load_end"] = time.perf_counter() - t_start
                 weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))

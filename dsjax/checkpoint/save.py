@@ -9,12 +9,11 @@ from typing import Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
-from flax import nnx
 
 from dsjax.checkpoint.names import TRANSPOSED_LEAVES, hf_names_for, to_original
 from dsjax.checkpoint.shards import ShardWriter
 from dsjax.config import ModelConfig
-from dsjax.model import DeepseekV4
+from dsjax.model import DeepseekV4, stored_variables
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 
@@ -32,8 +31,7 @@ def hf_value(name: str, value: np.ndarray, float_experts: bool) -> np.ndarray:
 def hf_tensors(model: DeepseekV4) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (HF name, numpy array) for every variable, layers unstacked, scales as `*_scale_inv`."""
     float_experts = model.cfg.quantization is None
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
-        value = np.asarray(var.get_value())
+    for path, value in stored_variables(model):
         for name, repeat in hf_names_for(model.groups_meta, path):
             yield name, hf_value(name, value if repeat is None else value[repeat], float_experts)
 

@@ -10,10 +10,10 @@ from typing import Iterator
 
 import ml_dtypes
 import numpy as np
-from flax import nnx
 
 from dsjax.checkpoint import names_v41
 from dsjax.checkpoint.shards import ShardWriter
+from dsjax.model import stored_variables
 
 
 def _scale_value(value: np.ndarray) -> np.ndarray:
@@ -57,10 +57,10 @@ def release_names(cfg, key: str, value: np.ndarray, first_expert: int = 0) -> It
 def release_tensors(model) -> Iterator[tuple[str, np.ndarray]]:
     """(release name, numpy array) for every variable of `model`, experts split per expert, then the
     weights kept beside it."""
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+    for path, value in stored_variables(model):
         dotted = ".".join(str(p) for p in path)
         if not dotted.startswith(names_v41.DERIVED):  # derived from the tokenizer, not part of the weights
-            yield from release_names(model.cfg, dotted, np.asarray(var.get_value()))
+            yield from release_names(model.cfg, dotted, value)
     kept = getattr(model, "kept_weights", None)
     for name in ([] if kept is None else kept.names()):
         yield name, kept.arrays[name]

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dsjax.layers.experts import RoutedExperts, grouped_mlp, matmul_experts
+from dsjax.layers.experts import EXPERT_LEAVES, RoutedExperts, grouped_mlp, matmul_experts
 from dsjax.parallel.rules import declared_axes, mesh_axes, spec_of
 from dsjax.stacked import StackedSlice, as_array
 
-_LEAVES = ("gate_up_proj", "down_proj")
 
 
 def expert_axis(mesh) -> str | None:
@@ -50,8 +49,9 @@ class _Local:
         """`grouped_mlp` over this device's experts (and FFN slice: summed over tp by the caller)."""
         e, cfg = self.experts, self.experts.cfg
         gate_up_scale, down_scale = scales or (None, None)
-        return grouped_mlp(x_nh, weights_nk, idx_nk, matmul_experts(gate_up, gate_up_scale, e.storage, cfg),
-                           matmul_experts(down, down_scale, e.storage, cfg), cfg,
+        return grouped_mlp(x_nh, weights_nk, idx_nk,
+                           matmul_experts(gate_up, gate_up_scale, e.storage, cfg, e.code_layout),
+                           matmul_experts(down, down_scale, e.storage, cfg, e.code_layout), cfg,
                            first_expert=self.first_expert(), tp_axis=self.tp, kernels=e.kernels)
 
 
@@ -126,7 +126,8 @@ def routed_experts_parallel(experts: RoutedExperts, x_nh: jax.Array, weights_nk:
         idx_nk = jnp.pad(idx_nk, ((0, pad), (0, 0)))
 
     arrays, specs = [], []
-    names = _LEAVES + ((tuple(f"{leaf}_scale_inv" for leaf in _LEAVES)) if experts.storage is not None else ())
+    scales = tuple(f"{leaf}_scale_inv" for leaf in EXPERT_LEAVES) if experts.storage is not None else ()
+    names = EXPERT_LEAVES + scales
     for name in names:
         var = getattr(experts, name)
         arrays.append(var[...])

@@ -18,6 +18,9 @@ from dsjax.quant import quantize_fp4, quantize_fp8, ue8m0_to_float
 from dsjax.stacked import READ_IN_PLACE, StackedSlice, as_array
 
 
+EXPERT_LEAVES = ("gate_up_proj", "down_proj")  # the stacked expert weights `RoutedExperts` holds
+
+
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     """`silu(min(gate, limit)) · clip(up, −limit, limit)`: the gate is clamped from above only."""
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
@@ -51,10 +54,11 @@ class RoutedExperts(nnx.Module):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
         self.kernels = "auto"  # a run option (`dsjax.model.with_kernels`)
+        self.code_layout = "checkpoint"  # FP4 codes as stored, or repacked for the kernels (`model.with_code_layout`)
         quant = cfg.quantization
         self.storage = None if quant is None else quant.expert_dtype
-        for name, (d_in, d_out), axes_io in (("gate_up_proj", (h, 2 * i), ("embed", "ffn")),
-                                             ("down_proj", (i, h), ("ffn", "embed"))):
+        for name, (d_in, d_out), axes_io in zip(EXPERT_LEAVES, ((h, 2 * i), (i, h)),
+                                                (("embed", "ffn"), ("ffn", "embed"))):
             key = rngs.params()
             if quant is None:
                 w = 0.02 * jax.random.normal(key, (e, d_in, d_out))
@@ -77,33 +81,36 @@ class RoutedExperts(nnx.Module):
 
     def expert_weights(self, name: str, dtype) -> jax.Array:
         """`gate_up_proj` or `down_proj` as `[E, in, out]` in `dtype`."""
-        return dense_experts(*self.stored(name), self.storage, self.cfg, dtype)
+        return dense_experts(*self.stored(name), self.storage, self.cfg, dtype, self.code_layout)
 
     def __call__(self, x_nh: jax.Array, weights_nk: jax.Array, idx_nk: jax.Array) -> jax.Array:
         """`Σ_k weight[n,k] · expert_{idx[n,k]}(x[n])`: pairs sorted by expert, two grouped matmuls."""
-        return grouped_mlp(x_nh, weights_nk, idx_nk, *(matmul_experts(*self.stored(name), self.storage, self.cfg)
-                                                       for name in ("gate_up_proj", "down_proj")), self.cfg,
-                           kernels=self.kernels)
+        return grouped_mlp(x_nh, weights_nk, idx_nk,
+                           *(matmul_experts(*self.stored(name), self.storage, self.cfg, self.code_layout)
+                             for name in EXPERT_LEAVES), self.cfg, kernels=self.kernels)
 
 
 def dense_experts(w: jax.Array | StackedSlice, scale: jax.Array | StackedSlice | None, storage: str | None,
-                  cfg: ModelConfig, dtype) -> jax.Array:
-    """Stacked expert weights as stored (float `[E, in, out]`, or FP8/FP4 `[E, out, in]` with scales)
-    → `[E, in, out]` in `dtype`. Works on any slice of the expert axis."""
+                  cfg: ModelConfig, dtype, code_layout: str = "checkpoint") -> jax.Array:
+    """Stacked expert weights as stored (float `[E, in, out]`, or FP8/FP4 `[E, out, in]` with scales, FP4
+    codes in `code_layout`) → `[E, in, out]` in `dtype`. Works on any slice of the expert axis."""
     if storage is None:
         return as_array(w).astype(dtype)
-    return dequantized(as_array(w), as_array(scale), storage, dtype, tuple(cfg.quantization.weight_block_size))
+    return dequantized(as_array(w), as_array(scale), storage, dtype, tuple(cfg.quantization.weight_block_size),
+                       code_layout)
 
 
 @dataclasses.dataclass(frozen=True)
 class StoredExperts:
     """Stacked experts as a quantized checkpoint stores them, for the grouped matmul: `w [E, out, in]`
-    e4m3 (or `[E, out, in/2]` packed e2m1) and its scales. Any slice of the expert axis."""
+    e4m3 (or `[E, out, in/2]` packed e2m1, its codes in `code_layout`) and its scales. Any slice of the
+    expert axis."""
 
     w: jax.Array | StackedSlice
     scale: jax.Array | StackedSlice
     storage: str
     block: tuple[int, int]
+    code_layout: str = "checkpoint"
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -113,19 +120,19 @@ class StoredExperts:
 
 
 def matmul_experts(w: jax.Array | StackedSlice, scale: jax.Array | StackedSlice | None, storage: str | None,
-                   cfg: ModelConfig) -> jax.Array | StoredExperts:
+                   cfg: ModelConfig, code_layout: str = "checkpoint") -> jax.Array | StoredExperts:
     """Experts as stored → the operand `grouped_mlp` takes: float experts as they are (`[E, in, out]`),
     quantized ones as `StoredExperts` (never dequantized whole where a kernel reads them)."""
     if storage is None:
         return as_array(w)
-    return StoredExperts(w, scale, storage, tuple(cfg.quantization.weight_block_size))
+    return StoredExperts(w, scale, storage, tuple(cfg.quantization.weight_block_size), code_layout)
 
 
 def _grouped_matmul(x_ph: jax.Array, experts: jax.Array | StoredExperts, group_sizes: jax.Array,
                     kernels: str) -> jax.Array:
     if isinstance(experts, StoredExperts):
         return expert_matmul(x_ph, experts.w, experts.scale, group_sizes, experts.storage, experts.block,
-                             kernels=kernels)
+                             code_layout=experts.code_layout, kernels=kernels)
     return grouped_dot(x_ph, experts, group_sizes, kernels=kernels)
 
 

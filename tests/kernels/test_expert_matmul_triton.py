@@ -8,6 +8,7 @@ import pytest
 
 from dsjax.export import abstract_device, disabled_checks
 from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.expert_matmul.fp4_codes import repack_codes
 from dsjax.kernels.expert_matmul.op import expert_matmul
 from dsjax.kernels.expert_matmul.reference import expert_matmul_reference
 from dsjax.kernels.expert_matmul.triton import addressable, expert_matmul_gpu, group_tiles
@@ -100,6 +101,36 @@ def test_kernel_reads_one_layer_of_stacked_experts_in_place(storage):
                                    atol=1e-3 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("sizes,k,n,stacked", [
+    ([2, 0, 3], 256, 256, False),           # one token: column blocks of 64
+    ([3, 0, 17, 1, 6], 384, 128, True),     # steps of 128 inputs; one layer of a stack
+])
+def test_repacked_codes_give_the_same_result_bit_for_bit(sizes, k, n, stacked):
+    q, s = experts("fp4", len(sizes), n, k, seed=3)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((sum(sizes) + 2, k)) * 3, jnp.bfloat16)
+    group_sizes, layer = jnp.asarray(sizes, jnp.int32), ()
+    if stacked:
+        other_q, other_s = experts("fp4", len(sizes), n, k, seed=4)
+        q, s, layer = jnp.stack([other_q, q]), jnp.stack([other_s, s]), (jnp.int32(1),)
+    want = expert_matmul_gpu(x, q, s, group_sizes, "fp4", *layer, interpret=True)
+    got = expert_matmul_gpu(x, repack_codes(q), s, group_sizes, "fp4", *layer, code_layout="repacked",
+                            interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[:sum(sizes)], np.asarray(want, np.float32)[:sum(sizes)])
+
+
+@pytest.mark.parametrize("rows", [12, 200])  # the Triton kernel; the Mosaic GPU kernel (MIN_ROWS on)
+def test_op_on_repacked_codes_equals_the_op_on_the_checkpoints(rows):
+    """Through the op, interpreted and by the reference (which puts the codes back first): the same
+    result from repacked codes as from the checkpoint's, bit for bit."""
+    q, s = experts("fp4", 4, 128, 512, seed=5)
+    sizes = jnp.asarray(np.random.default_rng(rows).multinomial(rows, np.ones(4) / 4), jnp.int32)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((rows, 512)), jnp.bfloat16)
+    for kernels in ("interpret", "reference"):
+        want = expert_matmul(x, q, s, sizes, "fp4", kernels=kernels)
+        got = expert_matmul(x, repack_codes(q), s, sizes, "fp4", code_layout="repacked", kernels=kernels)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=kernels)
+
+
 def test_stacked_experts_reach_the_cuda_kernel_uncopied():
     """Given a `StackedSlice`, the op lowered for cuda hands the whole stack to the kernel: no op cuts
     the layer out (XLA would copy such a slice for a Triton call)."""
@@ -162,10 +193,10 @@ def test_op_falls_back_to_the_reference_for_many_rows_per_expert():
     assert "dsjax_expert_matmul" not in lowered(129)
 
 
-@pytest.mark.parametrize("storage", ["fp8", "fp4"])
-def test_lowers_for_cuda(storage):
+@pytest.mark.parametrize("storage,code_layout", [("fp8", "checkpoint"), ("fp4", "checkpoint"), ("fp4", "repacked")])
+def test_lowers_for_cuda(storage, code_layout):
     q, s = experts(storage, 4, 128, 256)
-    fn = jax.jit(lambda x, g: expert_matmul_gpu(x, q, s, g, storage))
+    fn = jax.jit(lambda x, g: expert_matmul_gpu(x, q, s, g, storage, code_layout=code_layout))
     h200 = jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))
     with jax.sharding.use_abstract_mesh(h200):
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
@@ -182,6 +213,8 @@ def test_lowers_for_cuda(storage):
     (lambda x, q, s: (x, q, s, "fp8", 0), "stacked experts needs", False),
     (lambda x, q, s: (x, jnp.stack([q, q]), jnp.stack([s, s])[:, :1], "fp8", 0), "stacked experts needs", False),
     (lambda x, q, s: (x, q[None, :1], s[None, :1], "fp8", 0), "2 group sizes for 1 experts", False),
+    (lambda x, q, s: (x, q, s, "fp8", None, "repacked"), "code_layout 'repacked' is for FP4 codes", False),
+    (lambda x, q, s: (x, q, s, "fp8", None, "marlin"), "code_layout must be one of", False),
 ])
 def test_refuses_what_it_does_not_take_with_a_clear_error(change, message, untileable):
     """What it cannot tile raises CannotTile (the op then takes the reference); bad arguments a plain
@@ -189,24 +222,28 @@ def test_refuses_what_it_does_not_take_with_a_clear_error(change, message, until
     q, s = experts("fp8", 2, 128, 256)
     x = jnp.ones((8, 256), jnp.bfloat16)
     x, q, s, storage, *layer = change(x, q, s)
+    layout = dict(code_layout=layer.pop()) if len(layer) == 2 else {}
     with pytest.raises(ValueError, match=message) as err:
-        expert_matmul_gpu(x, q, s, jnp.asarray([4, 4], jnp.int32), storage, *layer, interpret=True)
+        expert_matmul_gpu(x, q, s, jnp.asarray([4, 4], jnp.int32), storage, *layer, interpret=True, **layout)
     assert isinstance(err.value, CannotTile) == untileable
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-@pytest.mark.parametrize("storage", ["fp8", "fp4"])
-def test_native_kernel_matches_reference(storage):
+@pytest.mark.parametrize("storage,code_layout", [("fp8", "checkpoint"), ("fp4", "checkpoint"), ("fp4", "repacked")])
+def test_native_kernel_matches_reference(storage, code_layout):
     """Compiled by Triton the kernel must still agree (the interpreter cannot show a lowering's bugs):
-    V4-Flash's expert widths, a decode step's worth of rows."""
+    V4-Flash's expert widths, a decode step's worth of rows; repacked codes give the checkpoint's result."""
     e, n, k = 16, 512, 4096
     q, s = experts(storage, e, n, k)
     rng = np.random.default_rng(1)
     sizes = jnp.asarray(rng.multinomial(96, np.ones(e) / e), jnp.int32)
     x = jnp.asarray(rng.standard_normal((96, k)), jnp.bfloat16)
-    got = np.asarray(expert_matmul_gpu(x, q, s, sizes, storage), np.float32)
+    codes = repack_codes(q) if code_layout == "repacked" else q
+    got = np.asarray(expert_matmul_gpu(x, codes, s, sizes, storage, code_layout=code_layout), np.float32)
     want = np.asarray(expert_matmul_reference(x, q, s, sizes, storage), np.float32)
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+    if code_layout == "repacked":
+        np.testing.assert_array_equal(got, np.asarray(expert_matmul_gpu(x, q, s, sizes, storage), np.float32))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")

@@ -40,6 +40,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import vector
 
 from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.expert_matmul.fp4_codes import SIGNS, check_layout, fp16_pairs
 from dsjax.kernels.expert_matmul.triton import fold_layer, group_tiles
 from dsjax.kernels.gpu_fp16 import fp16_rows, pow2
 from dsjax.quant import FP4_GROUP
@@ -59,20 +60,10 @@ STAGES = 2      # steps in flight: measured best against 3 and 4
 MIN_ROWS = 128  # below, the Triton kernel is faster (8 tokens × 6 experts: 0.37 ms against 0.46)
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)
-_SIGNS = int(np.uint32(0x80008000).view(np.int32))  # the sign bits of two fp16s in one int32
-_MAGNITUDES = 0x0E000E00  # where an e2m1 magnitude sits in each of two fp16s (`e2m1 · 2^-14`)
-_SIGNED_MAGNITUDES = int(np.uint32(0x8E008E00).view(np.int32))  # both
 _E4M3_MAGNITUDES = 0x3F803F80  # where an e4m3's exponent and mantissa sit in each of two fp16s (`e4m3 · 2^-8`)
 _SCALE_WORD_INPUTS = 128  # inputs whose scales one int32 scale word holds: four groups of 32
 FP8_BLOCKS = (128, 32)  # the square FP8 scale blocks the kernel reads: V4's 128 × 128 and V4.1's 32 × 32
-CODE_LAYOUTS = ("checkpoint", "repacked")
 ROW_SOURCES = ("copied", "window", "aligned")  # where a program reads its tile's rows (`expert_matmul_mosaic`)
-# The repacked layout (`repack_codes`): in each int32 word, pair p's two magnitudes at bits
-# _REPACKED_MAGNITUDE[p] (and + 16), its two signs at _REPACKED_SIGN[p] (and + 16). Pairs 0 and 1 then
-# decode with one mask (after one shift), pairs 2 and 3 with two shifts and two masks: 6 logic operations
-# and 5 shifts a word, against 8, 1 and 7 for the checkpoint's order (docs/kernels.md).
-_REPACKED_MAGNITUDE = (9, 6, 3, 0)
-_REPACKED_SIGN = (15, 12, 13, 14)
 _INT_MIN = int(np.iinfo(np.int32).min)
 
 
@@ -134,47 +125,12 @@ def _as_fp16(words, interpret: bool):
     return reinterpret(words)
 
 
-def repack_codes(w: jax.Array) -> jax.Array:
-    """FP4 codes as checkpoints hold them (`[…, K/2]` bytes, code 2i in byte i's low nibble, sign on top)
-    → the same shape and dtype in the layout `expert_matmul_mosaic(…, code_layout="repacked")` reads:
-    each int32 word keeps its eight codes, their bits moved so that the kernel decodes them in fewer
-    operations (`_REPACKED_MAGNITUDE`, `_REPACKED_SIGN`). Meant to run once, when the weights load."""
-    if w.shape[-1] % 4 or jnp.dtype(w.dtype).itemsize != 1:
-        raise ValueError(f"repack_codes: FP4 codes are bytes whose last axis is a multiple of 4 (whole int32 "
-                         f"words), got {w.dtype} {w.shape}")
-    words = lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // 4, 4), jnp.uint32)
-    out = jnp.zeros_like(words)
-    for p, (magnitude, sign) in enumerate(zip(_REPACKED_MAGNITUDE, _REPACKED_SIGN)):
-        # codes p and p + 4 together: the same move in both halves of the word
-        out |= ((words >> (4 * p)) & 0x00070007) << magnitude
-        out |= ((words >> (4 * p + 3)) & 0x00010001) << sign
-    return lax.bitcast_convert_type(out, w.dtype).reshape(w.shape)
-
-
-def _pairs(words, repacked: bool = False):
-    """Four int32 arrays: codes p and p+4 of each word as two fp16 `e2m1 · 2^-14` (bit moves only), from
-    the checkpoint's order or the repacked one (`repack_codes`)."""
-    out = []
-    for p in range(4):
-        if repacked:
-            to_magnitude, to_sign = 9 - _REPACKED_MAGNITUDE[p], 15 - _REPACKED_SIGN[p]
-            if to_magnitude == to_sign:  # one shift aligns sign and magnitude: one mask
-                moved = words << to_magnitude if to_magnitude else words
-                out.append(moved & _SIGNED_MAGNITUDES)
-            else:
-                out.append(((words << to_magnitude) & _MAGNITUDES) | ((words << to_sign) & _SIGNS))
-            continue
-        magnitudes = (words << (9 - 4 * p)) if p < 3 else lax.shift_right_logical(words, 3)
-        out.append((magnitudes & _MAGNITUDES) | ((words << (12 - 4 * p)) & _SIGNS))
-    return out
-
-
 def _e4m3_pairs(words):
     """Two int32 arrays: bytes 0 and 2, then 1 and 3, of each word of four e4m3 codes as two fp16
     `e4m3 · 2^-8` (bit moves only: the four exponent and three mantissa bits land at the bottom of
     fp16's, so subnormals land on subnormals)."""
-    low = ((words << 8) & _SIGNS) | ((words << 7) & _E4M3_MAGNITUDES)
-    high = (words & _SIGNS) | (lax.shift_right_logical(words, 1) & _E4M3_MAGNITUDES)
+    low = ((words << 8) & SIGNS) | ((words << 7) & _E4M3_MAGNITUDES)
+    high = (words & SIGNS) | (lax.shift_right_logical(words, 1) & _E4M3_MAGNITUDES)
     return [low, high]
 
 
@@ -192,7 +148,7 @@ def _tiled(columns: int, itemsize: int) -> tuple:
 
 
 def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem, bar, *a_smem, n_k: int,
-          window: int, features: int, words: int, stages: int, in_place: bool, repacked: bool, storage: str,
+          window: int, features: int, words: int, stages: int, in_place: bool, code_layout: str, storage: str,
           interpret: bool):
     """One program: `window` rows of one expert (the tile's copy, or `in_place` the sorted rows from the
     multiple of 8 at or before its first) against `features` of its outputs. The scales arrive as FP4's,
@@ -238,7 +194,7 @@ def _body(tiles_ref, x_ref, w_ref, s_ref, out_ref, tiles_smem, s_smem, out_smem,
             # 2^(s − s_max + 15) as fp16 bits (0 below 2^-14), twice per int32
             biased = jnp.clip(group - lax.broadcast_in_dim(top, (features, words), (0,)) + 30, 0, 31) << 10
             relative = _as_fp16(biased | (biased << 16), interpret)
-            decoded = _e4m3_pairs(codes) if storage == "fp8" else _pairs(codes, repacked)
+            decoded = _e4m3_pairs(codes) if storage == "fp8" else fp16_pairs(codes, code_layout)
             for p, pair in enumerate(decoded):
                 a = _as_fp16(pair, interpret) * relative
                 if interpret:  # the interpreter takes wgmma's A from shared memory only
@@ -318,8 +274,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
                          f"128-block), got {words} for {storage.upper()}")
     if stages < 1:
         raise ValueError(f"expert_matmul_mosaic: stages must be at least 1, got {stages}")
-    if code_layout not in CODE_LAYOUTS:
-        raise ValueError(f"expert_matmul_mosaic: code_layout must be one of {CODE_LAYOUTS}, got {code_layout!r}")
+    check_layout(code_layout, "expert_matmul_mosaic")
     if fp8_block not in FP8_BLOCKS:
         raise ValueError(f"expert_matmul_mosaic: fp8_block must be one of {FP8_BLOCKS}, got {fp8_block}")
     if code_layout != "checkpoint" and storage != "fp4":
@@ -409,7 +364,7 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
 
     def dsjax_expert_matmul_mosaic(*refs):  # the kernel's name in profiles and lowered modules
         _body(*refs, n_k=k // (codes_per_word * words), window=window, features=features, words=words,
-              stages=stages, in_place=row_source != "copied", repacked=code_layout == "repacked", storage=storage,
+              stages=stages, in_place=row_source != "copied", code_layout=code_layout, storage=storage,
               interpret=interpret)
 
     kernel = plgpu.kernel(

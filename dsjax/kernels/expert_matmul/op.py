@@ -31,12 +31,14 @@ FP8_MOSAIC = False
 
 def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.Array | StackedSlice,
                   group_sizes_e: jax.Array, storage: str, block: tuple[int, int] = (128, 128), *,
-                  kernels: str = "auto") -> jax.Array:
+                  code_layout: str = "checkpoint", kernels: str = "auto") -> jax.Array:
     """`reference.expert_matmul_reference`'s result, by the kernel `kernels` selects for the platform.
     Experts given as a `StackedSlice` (with their scales) are read in place by the kernel; the
-    reference cuts their layer out."""
+    reference cuts their layer out. `code_layout`: FP4 codes as checkpoints hold them or repacked
+    (`fp4_codes`), which the GPU kernels decode in fewer operations."""
     reference = lambda: expert_matmul_reference(x_pk, as_array(w_enk), as_array(scale),  # noqa: E731
-                                                group_sizes_e, storage, block, kernels=kernels)
+                                                group_sizes_e, storage, block, code_layout=code_layout,
+                                                kernels=kernels)
     gpu = []
     e = w_enk.shape[0]
     if isinstance(w_enk, StackedSlice) and isinstance(scale, StackedSlice):
@@ -50,10 +52,10 @@ def expert_matmul(x_pk: jax.Array, w_enk: jax.Array | StackedSlice, scale: jax.A
         fp8_block = _mosaic_fp8_block(block) or 128
         gpu.append(lambda interpret: mosaic_gpu.expert_matmul_mosaic(
             x_pk, group_sizes_e=group_sizes_e, storage=storage, block_m=block_m, row_source=ROW_SOURCE,
-            fp8_block=fp8_block, interpret=interpret, **stacks))
+            fp8_block=fp8_block, code_layout=code_layout, interpret=interpret, **stacks))
     if few_rows and (storage == "fp4" or tuple(block) == (128, 128)):
         gpu.append(lambda interpret: expert_matmul_gpu(x_pk, group_sizes_e=group_sizes_e, storage=storage,
-                                                       interpret=interpret, **stacks))
+                                                       code_layout=code_layout, interpret=interpret, **stacks))
     return dispatch(reference, kernels=kernels, gpu=gpu)
 
 

@@ -10,9 +10,9 @@ holds one tile and `block_n` output columns and walks the expert's inputs a step
   products on fp16 tensor cores, times the block's scale.
 - **fp4** (`[E, N, K/2]` two e2m1 codes per byte, low nibble first, ue8m0 scale per row per 32 inputs),
   read as int32 words of eight codes and their scales as int32 words of four: 256 inputs (eight
-  groups) per step. Codes p and p+4 of a word sit 16 bits apart, so three 32-bit operations place
-  both as the fp16 `e2m1 · 2^-14` (its three magnitude bits as the exponent's low bits and the
-  mantissa's top bit; the subnormal 0.5 lands on fp16's subnormal 2^-15). Each code is then
+  groups) per step. Codes p and p+4 of a word sit 16 bits apart, so a few 32-bit operations place
+  both as the fp16 `e2m1 · 2^-14` (`fp4_codes.fp16_pairs`, from the checkpoint's layout or the
+  repacked one). Each code is then
   multiplied in fp16 by `2^(s - s_max + 15)`, its group's scale relative to the largest of the step's
   eight: exact while that is at least 2^-24 (below it, the weight rounds to a multiple of 2^-24 of
   the step's largest scale). Eight products per step, code p of every word against inputs
@@ -34,11 +34,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.expert_matmul.fp4_codes import check_layout, fp16_pairs
 from dsjax.kernels.gpu_fp16 import fp16_rows, pow2
 from dsjax.quant import FP4_GROUP, ue8m0_bytes_to_float, ue8m0_to_float
 
@@ -95,21 +95,6 @@ def _fp16_of_bits(bits):
     return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
 
 
-_SIGNS = int(np.uint32(0x80008000).view(np.int32))  # the sign bits of two fp16s in one int32
-
-
-def _e2m1_pairs_as_fp16(words):
-    """int32 words of eight e2m1 codes (code i in bits 4i…4i+3) → four pairs of fp16 arrays: codes p and
-    p+4 of every word as fp16 `e2m1 · 2^-14`, exactly. Both codes of a pair are 16 bits apart, so one
-    shift of the magnitudes, one of the signs and one merge place both."""
-    pairs = []
-    for p in range(4):
-        magnitudes = (words << (9 - 4 * p)) if p < 3 else (words >> 3)
-        both = (magnitudes & 0x0E000E00) | ((words << (12 - 4 * p)) & _SIGNS)
-        pairs.append((_fp16_of_bits(both), _fp16_of_bits(both >> 16)))
-    return pairs
-
-
 def _e4m3_pair_as_fp16(pair):
     """Two e4m3 codes in the low 16 bits of int32s (first code low) → two fp16 `e4m3 · 2^-8`, exactly,
     by moving the bits: the exponent's four and the mantissa's three land at the bottom of fp16's, so
@@ -131,7 +116,7 @@ def _fp8_step(w_ref, s_ref, x_ref, g, n0, row0, kb, *, block_m, block_n):
     return part * (s_ref[g, n0 // _FP8_BLOCK, kb] * 2.0 ** 8)
 
 
-def _fp4_step(w_ref, s_ref, x_ref, g, n0, row0, kb, *, block_m, block_n, words):
+def _fp4_step(w_ref, s_ref, x_ref, g, n0, row0, kb, *, block_m, block_n, words, code_layout):
     """One step of `words` int32 words per row (`words / 4` 32-input groups): `[block_m, block_n]`
     products."""
     k0 = pl.multiple_of(kb * words, words)
@@ -148,15 +133,15 @@ def _fp4_step(w_ref, s_ref, x_ref, g, n0, row0, kb, *, block_m, block_n, words):
     relative = jnp.maximum(group - top[:, None] + 15, -40)
     relative = pow2(relative).astype(jnp.float16)
     part = jnp.zeros((block_m, block_n), jnp.float32)
-    for p, pair in enumerate(_e2m1_pairs_as_fp16(codes)):
-        for i, w in zip((p, p + 4), pair):
+    for p, both in enumerate(fp16_pairs(codes, code_layout)):
+        for i, w in zip((p, p + 4), (_fp16_of_bits(both), _fp16_of_bits(both >> 16))):
             x = x_ref[i, pl.ds(row0, block_m), pl.ds(k0, words)]
             part += jnp.dot(x, (w * relative).T, preferred_element_type=jnp.float32)
     return part * (ue8m0_bytes_to_float(top) * 0.5)[None, :]
 
 
 def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, x_ref, o_ref, *, storage, block_m, block_n,
-            words, n_k):
+            words, n_k, code_layout):
     t, nb = pl.program_id(0), pl.program_id(1)
     rows = rows_ref[t]
 
@@ -166,7 +151,7 @@ def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, x_ref, o_r
         n0 = pl.multiple_of(nb * block_n, block_n)
         blocks = dict(block_m=block_m, block_n=block_n)
         step = (functools.partial(_fp8_step, **blocks) if storage == "fp8"
-                else functools.partial(_fp4_step, words=words, **blocks))
+                else functools.partial(_fp4_step, words=words, code_layout=code_layout, **blocks))
         step = functools.partial(step, w_ref, s_ref, x_ref, g, n0, row0)
         acc = jax.lax.fori_loop(0, n_k, lambda kb, acc: acc + step(kb),
                                 jnp.zeros((block_m, block_n), jnp.float32))
@@ -176,15 +161,17 @@ def _kernel(group_ref, row0_ref, rows_ref, unscale_ref, w_ref, s_ref, x_ref, o_r
 
 
 @functools.partial(jax.jit, static_argnames=("storage", "block_m", "block_n", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "code_layout", "interpret"))
 def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group_sizes_e: jax.Array,
                       storage: str, layer: jax.Array | None = None, *, block_m: int = 16, block_n: int | None = None,
-                      num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                      num_warps: int = 4, num_stages: int = 3, code_layout: str = "checkpoint",
+                      interpret: bool = False) -> jax.Array:
     """`reference.expert_matmul_reference` (same arguments but the block, which is 128 × 128 here) as a
     Pallas kernel. With `layer`, `w_enk` and `scale` are a stack of such experts and scales (`[L, E, …]`)
     and the kernel reads entry `layer` where it lies. `block_n` defaults to 64 for FP8 (at most its
     128-block) and to 128 for FP4 where it tiles and there are more than `FEW_ROWS` rows (measured best
-    on the H200), else 64. Raises CannotTile for what it does not take: non-bf16 activations, float
+    on the H200), else 64. `code_layout` (FP4): the codes as checkpoints hold them or repacked
+    (`fp4_codes.repack_codes`). Raises CannotTile for what it does not take: non-bf16 activations, float
     scales, widths that do not tile, experts it cannot address."""
     p, k = x_pk.shape
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_gpu")
@@ -200,6 +187,10 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
         raise CannotTile(f"expert_matmul_gpu: {n} output columns do not tile by {block_n}")
     if storage not in ("fp8", "fp4"):
         raise ValueError(f"expert_matmul_gpu: storage must be 'fp8' or 'fp4', got {storage!r}")
+    check_layout(code_layout, "expert_matmul_gpu")
+    if code_layout != "checkpoint" and storage != "fp4":
+        raise ValueError(f"expert_matmul_gpu: code_layout {code_layout!r} is for FP4 codes; FP8 codes are read "
+                         "as stored")
     if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
         raise CannotTile(f"expert_matmul_gpu: {storage.upper()} experts need ue8m0 (power-of-two) scales, got "
                          f"{scale.dtype}: bf16 dequantization would round float scales")
@@ -233,7 +224,8 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
     group_t, row0_t, rows_t = group_tiles(group_sizes_e, p, block_m)
     tiles = (group_t + first_expert, row0_t, rows_t)
     out = pl.pallas_call(
-        functools.partial(_kernel, storage=storage, block_m=block_m, block_n=block_n, words=words, n_k=n_k),
+        functools.partial(_kernel, storage=storage, block_m=block_m, block_n=block_n, words=words, n_k=n_k,
+                          code_layout=code_layout),
         grid=(tiles[0].shape[0], n // block_n),
         out_shape=jax.ShapeDtypeStruct((p + block_m, n), x_pk.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
