@@ -97,13 +97,13 @@ def chunk_inputs(seed, kv_dtype="bfloat16", b=2, c_len=7, h=16, c=64, t=300, dty
 
 @pytest.mark.parametrize("seed,kv_dtype,shape,tiling", [
     (0, "bfloat16", {}, {}), (1, "bfloat16", {"c_len": 16, "t": 700}, {"block_q": 8, "block_t": 32, "tiles": 4}),
-    (2, "fp8", {"c": 128, "group": 128}, {"block_q": 2}), (3, "float32", {"dtype": jnp.float32}, {"block_q": 3}),
+    (2, "fp8", {"c": 128, "group": 128}, {"block_q": 2}), (3, "float32", {"dtype": jnp.float32}, {"block_q": 8}),
     (4, "mxfp4", {"c": 128, "h": 32}, {"block_q": 4})])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_chunk_kernel_matches_reference(seed, kv_dtype, shape, tiling, fuse):
     """A prefill chunk's scores: each query block reads a key block once for all its queries (one product
     of all their heads, or one per query); the chunk's length need not divide into query blocks (7
-    queries in blocks of 2, 3 or 4)."""
+    queries in blocks of 2 or 4, or one block of 8)."""
     args = chunk_inputs(seed, kv_dtype, **shape)
     want = np.asarray(index_scores_chunk_reference(*args))
     got = np.asarray(index_scores_chunk_gpu(*args, **tiling, fuse=fuse, interpret=not ON_GPU))
@@ -161,3 +161,24 @@ def test_under_a_mesh_the_op_runs_on_each_devices_slots():
     finite = np.isfinite(np.asarray(want))
     assert np.array_equal(finite, np.isfinite(np.asarray(got)))
     assert_close(np.asarray(got)[finite], np.asarray(want)[finite], rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_dtype,shape,block_q", [
+    ("float32", {"dtype": jnp.float32}, 8), ("mxfp4", {"c": 128, "h": 32}, 4), ("fp8", {"c": 128, "group": 128}, 2)])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_chunk_kernel_lowers_for_cuda(kv_dtype, shape, block_q, fuse):
+    """The interpreter runs what Triton's lowering refuses (a block of 3 queries did, natively): each
+    chunk case lowered for cuda, as on a GPU."""
+    from dsjax.export import abstract_device, disabled_checks
+
+    *args, scale = chunk_inputs(4, kv_dtype, **shape)
+    fn = jax.jit(lambda *a: index_scores_chunk_gpu(*a, scale, block_q=block_q, fuse=fuse))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=abstract_device("cuda"))):
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(*args).mlir_module()
+    assert "dsjax_index_scores" in text
+
+
+def test_chunk_blocks_that_are_not_powers_of_two_are_refused():
+    args = chunk_inputs(0)
+    with pytest.raises(CannotTile, match="block_q must be a power of two .* got 3"):
+        index_scores_chunk_gpu(*args, block_q=3, interpret=True)

@@ -140,12 +140,14 @@ def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys
         raise CannotTile(f"index_scores_gpu: V4's index keys are stored as fp8 or float, got {keys.fmt}")
     if h % 16 or block_t % 16:
         raise CannotTile(f"index_scores_gpu: index heads ({h}) and block_t ({block_t}) must be multiples of 16")
+    if block_q < 1 or block_q & (block_q - 1):  # the interpreter takes any; Triton's lowering refuses them
+        raise CannotTile(f"index_scores_chunk_gpu: block_q must be a power of two (Triton's blocks are), got {block_q}")
     pieces = row_pieces(keys, c, "index key")
     arrays = storage(keys)
     t = arrays[0].shape[1]
     span = block_t * tiles
     n_spans = -(-t // span)
-    block_q = min(block_q, pl.next_power_of_2(c_len))  # Triton's blocks are powers of two
+    block_q = min(block_q, pl.next_power_of_2(c_len))
     fuse = fuses(block_q, h) if fuse is None else fuse
     pad = -c_len % block_q
     if pad:  # padded queries see no keys
