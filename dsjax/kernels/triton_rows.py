@@ -96,6 +96,31 @@ def load_piece(refs, piece: Piece, rows_k, dtype, scaled: bool = True):
     return (values * jnp.where(column < FP4_GROUP, s0, s1)).astype(dtype)
 
 
+def fp4_query_order(x: jax.Array) -> jax.Array:
+    """`[..., c]` → the same columns with each 32-column scale group's 16 even columns first, then its 16
+    odd ones: the order of `load_fp4_halves`' operands, so that no kernel interleaves nibbles."""
+    return jnp.swapaxes(x.reshape(*x.shape[:-1], -1, FP4_GROUP // 2, 2), -1, -2).reshape(x.shape)
+
+
+def load_fp4_halves(refs, piece: Piece, rows_k) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+    """An fp4 piece of rows `rows_k` for fp16 tensor cores: for each of its scale groups, the group's even
+    and its odd columns as fp16 `e2m1 · 2^-14` (`[block_k, 16]` each: a byte's low and high nibble moved
+    into fp16's sign, exponent and mantissa bits, exactly, no arithmetic) and the group's scale (`[block_k,
+    1]` fp32). Against queries in `fp4_query_order`, a piece's dot products are
+    `2^14 · Σ_g (even_g · q_even_g + odd_g · q_odd_g) · scale_g` (the 2^14 best applied once, at the end)."""
+    codes_ref, scales_ref, *_ = refs
+    out = []
+    for g in range(piece.width // FP4_GROUP):
+        col = piece.col + g * FP4_GROUP
+        byte = codes_ref[rows_k, pl.ds(col // 2, FP4_GROUP // 2)].astype(jnp.int32)
+        even = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
+        odd = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+        scale = ue8m0_to_float(scales_ref[rows_k, pl.ds(piece.scale_col + col // FP4_GROUP, 1)])
+        out.append(tuple(jax.lax.bitcast_convert_type(h.astype(jnp.int16), jnp.float16) for h in (even, odd))
+                   + (scale,))
+    return out
+
+
 def storage(rows) -> list[jax.Array]:
     """The arrays a kernel receives for `rows`, in `load_piece`'s order (a zero-width rotary slice is
     left out; records: their one byte array as both codes and scales)."""

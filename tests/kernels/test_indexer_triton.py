@@ -115,13 +115,15 @@ def test_chunk_kernel_matches_reference(seed, kv_dtype, shape, tiling, fuse):
 
 
 @pytest.mark.parametrize("magnitude", [1e6, 1e-7])
-def test_fused_chunk_scales_each_query_and_head_on_its_own(magnitude):
-    """With fp8 keys, the fused product's rows are every (query, head) of a block, each scaled by its own
-    power of two for fp16: queries of a block far apart in magnitude still give the reference's scores."""
-    q, w, keys, lens, scale = chunk_inputs(7, "fp8", c_len=8, c=128, group=64)
+@pytest.mark.parametrize("kv_dtype,fuse", [("fp8", True), ("mxfp4", True), ("mxfp4", False)])
+def test_fused_chunk_scales_each_query_and_head_on_its_own(magnitude, kv_dtype, fuse):
+    """With fp8 keys or V4.1's MXFP4 key records, the product's rows are every (query, head) of a block, each
+    scaled by its own power of two for fp16 (and the fp4 codes taken as `e2m1 · 2^-14`): queries of a block far
+    apart in magnitude still give the reference's scores, to fp32's summation order."""
+    q, w, keys, lens, scale = chunk_inputs(7, kv_dtype, c_len=8, c=128, **({"group": 64} if kv_dtype == "fp8" else {}))
     q = q * jnp.asarray(np.geomspace(1.0, magnitude, 8 * q.shape[2]).reshape(8, -1), jnp.bfloat16)[None, :, :, None]
     want = np.asarray(index_scores_chunk_reference(q, w, keys, lens, scale))
-    got = np.asarray(index_scores_chunk_gpu(q, w, keys, lens, scale, block_q=4, fuse=True, interpret=not ON_GPU))
+    got = np.asarray(index_scores_chunk_gpu(q, w, keys, lens, scale, block_q=4, fuse=fuse, interpret=not ON_GPU))
     live = ~np.isneginf(want)
     np.testing.assert_array_equal(np.isneginf(got), ~live)
     assert np.isfinite(got[live]).all()

@@ -5,15 +5,17 @@ Grid (slot, query block, key span): a program takes `block_q` of its slot's quer
 with its head weights, and walks `tiles` blocks of `block_t` consecutive keys. Each key block is loaded
 once for the whole query block, then for each query: one `[block_t, c] × [c, nI]` product (per scale
 group for fp8 keys: the codes, exact in bf16, are multiplied first and the group's row scale applied to
-the fp32 sums; V4.1's MXFP4 key records, read as they are stored, dequantized per 64-channel piece in
-registers, exactly, to bf16), ReLU, the weighted sum over heads and a row of scores. So a chunk reads its slot's keys
-`C / block_q` times, not C times; key blocks past every query's count of the block write −inf without
+the fp32 sums; V4.1's MXFP4 key records, read as they are stored, likewise per 32-channel scale group:
+each byte's two codes moved bit by bit into fp16 `e2m1 · 2^-14`, the even channels and the odd ones
+multiplied apart against queries whose columns were put in that order outside the kernel, so no
+arithmetic decodes a code and nothing interleaves), ReLU, the weighted sum over heads and a row of
+scores. So a chunk reads its slot's keys `C / block_q` times, not C times; key blocks past every query's count of the block write −inf without
 reading keys. Only the head-summed `[C, T]` scores reach memory, never the `[C, nI, T]` products.
 
 fp8 codes against bf16 queries multiply on fp16 tensor cores: the codes convert to fp16 in one
 instruction and exactly (to bf16 they take three), which made the decode kernel 1.2× faster on an
-H200. The queries stay exact too: each head's row is first multiplied by the power of two that puts its
-largest magnitude in [2^14, 2^15) (within fp16's range, so nothing overflows), and the sums are divided
+H200 (fp4 codes, moved into fp16's bits, take a few logic operations). The queries stay exact too:
+each head's row is first multiplied by the power of two that puts its largest magnitude in [2^14, 2^15) (within fp16's range, so nothing overflows), and the sums are divided
 by it again. Only elements below 2^-28 of their row's largest fall into fp16's subnormals, an error of
 at most 2^-39 of that largest element: every product is still exact in the fp32 sums.
 """
@@ -21,6 +23,7 @@ at most 2^-39 of that largest element: every product is still exact in the fp32 
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -29,26 +32,56 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.gpu_fp16 import fp16_rows
-from dsjax.kernels.triton_rows import load_piece, row_pieces, storage
+from dsjax.kernels.triton_rows import fp4_query_order, load_fp4_halves, load_piece, row_pieces, storage
 from dsjax.numerics import precision
-from dsjax.quant import PackedKV
+from dsjax.quant import FP4_GROUP, PackedKV
+
+
+def _query_slices(pieces) -> list[tuple[int, int]]:
+    """The (column, width) slices a key block's operands multiply: a piece each, or for fp4 pieces the
+    16 even and 16 odd columns of each scale group (queries in `fp4_query_order`)."""
+    if pieces[0].kind != "fp4":
+        return [(p.col, p.width) for p in pieces]
+    half = FP4_GROUP // 2
+    return [(c, half) for p in pieces for c in range(p.col, p.col + p.width, half)]
+
+
+def _key_terms(key_refs, pieces, rows_k, dtype) -> list[tuple[list, jax.Array | None]]:
+    """A key block as products to sum: `([(query column, key operand [block_t, width]), …], row scale or
+    None)`, each product's sum times its row scale (`[block_t, 1]`)."""
+    if pieces[0].kind == "fp4":  # fp16 e2m1 · 2^-14 codes, the 2^14 applied by the caller
+        half = FP4_GROUP // 2
+        return [([(col, even.astype(dtype)), (col + half, odd.astype(dtype))], scale)
+                for p in pieces
+                for col, (even, odd, scale) in zip(range(p.col, p.col + p.width, FP4_GROUP),
+                                                   load_fp4_halves(key_refs, p, rows_k))]
+    terms = []
+    for p in pieces:
+        tile = load_piece(key_refs, p, rows_k, dtype, scaled=False)
+        codes, row_scale = tile if isinstance(tile, tuple) else (tile, None)
+        terms.append(([(p.col, codes)], row_scale))
+    return terms
 
 
 def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces, n_rows, fuse):
     *key_refs, o_ref = refs
-    fp16 = q_ref.dtype == jnp.bfloat16 and pieces[0].kind == "fp8"
+    fp4 = pieces[0].kind == "fp4"
+    fp16 = q_ref.dtype == jnp.bfloat16 and pieces[0].kind in ("fp8", "fp4")
     dtype = jnp.float16 if fp16 else q_ref.dtype
     exact = precision(q_ref)
     heads = q_ref.shape[1]
+    slices = _query_slices(pieces)
 
     def queries(i):
-        """Queries `i` (a slice of the block) as `[queries·heads, piece]` pieces (fp16-scaled for fp8 keys),
-        their per-row unscale and their head weights."""
+        """Queries `i` (a slice of the block) as `[queries·heads, width]` slices (fp16-scaled for fp8 and
+        fp4 keys), their per-row unscale (fp4: times 2^14, `load_fp4_halves`) and their head weights."""
         n = i.stop - i.start
-        q_pieces = {p.col: q_ref[i, :, pl.ds(p.col, p.width)].reshape(n * heads, p.width) for p in pieces}
+        q_pieces = {c: q_ref[i, :, pl.ds(c, w)].reshape(n * heads, w) for c, w in slices}
         unscale = None
         if fp16:
             q_pieces, unscale = fp16_rows(q_pieces)
+        if fp4:
+            unscale = jnp.full((n * heads,), 2.0 ** 14, jnp.float32) if unscale is None else unscale * 2.0 ** 14
         return q_pieces, unscale, w_ref[i, :].astype(jnp.float32)
 
     # fuse: every query's heads are rows of one product with the key block (`[block_q·heads, block_t]`),
@@ -63,14 +96,15 @@ def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces
     def live(j, carry):
         rows = span0 + j * block_t + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
         rows_k = jnp.minimum(rows, n_rows - 1)
-        tiles_ = [load_piece(key_refs, p, rows_k, dtype, scaled=False) for p in pieces]
+        terms = _key_terms(key_refs, pieces, rows_k, dtype)
         at = pl.ds(pl.multiple_of(j * block_t, block_t), block_t)
         if fuse:
             q_pieces, unscale, w_qh = hoisted
             dots = jnp.zeros((block_q * heads, block_t), jnp.float32)
-            for p, tile in zip(pieces, tiles_):
-                codes, row_scale = tile if isinstance(tile, tuple) else (tile, None)
-                d = jnp.dot(q_pieces[p.col], codes.T, preferred_element_type=jnp.float32, precision=exact)
+            for parts, row_scale in terms:
+                d = functools.reduce(operator.add, [
+                    jnp.dot(q_pieces[c], keys.T, preferred_element_type=jnp.float32, precision=exact)
+                    for c, keys in parts])
                 dots += d if row_scale is None else d * row_scale.reshape(1, block_t)
             if unscale is not None:
                 dots = dots * unscale[:, None]
@@ -82,9 +116,10 @@ def _kernel(q_ref, w_ref, len_ref, *refs, scale, block_q, block_t, tiles, pieces
             q_pieces, unscale_h, w_h = hoisted or queries(slice(i, i + 1))
             # Keys along rows: the head sum reduces within a row of the product's layout.
             dots_th = jnp.zeros((block_t, heads), jnp.float32)
-            for p, tile in zip(pieces, tiles_):
-                codes, row_scale = tile if isinstance(tile, tuple) else (tile, None)
-                d = jnp.dot(codes, q_pieces[p.col].T, preferred_element_type=jnp.float32, precision=exact)
+            for parts, row_scale in terms:
+                d = functools.reduce(operator.add, [
+                    jnp.dot(keys, q_pieces[c].T, preferred_element_type=jnp.float32, precision=exact)
+                    for c, keys in parts])
                 dots_th += d if row_scale is None else d * row_scale
             if unscale_h is not None:
                 dots_th = dots_th * unscale_h[None, :]
@@ -143,6 +178,8 @@ def index_scores_chunk_gpu(q_bchc: jax.Array, weights_bch: jax.Array, keys, keys
     if block_q < 1 or block_q & (block_q - 1):  # the interpreter takes any; Triton's lowering refuses them
         raise CannotTile(f"index_scores_chunk_gpu: block_q must be a power of two (Triton's blocks are), got {block_q}")
     pieces = row_pieces(keys, c, "index key")
+    if pieces[0].kind == "fp4":  # the kernel multiplies each scale group's even and odd columns apart
+        q_bchc = fp4_query_order(q_bchc)
     arrays = storage(keys)
     t = arrays[0].shape[1]
     span = block_t * tiles
