@@ -16,6 +16,11 @@ def pow2(exponent):
     return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
 
 
+def fp16_of_bits(bits):
+    """The low 16 bits of int32s as fp16 (codes moved into fp16's bit fields)."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+
+
 def fp16_rows(pieces_hc: dict) -> tuple[dict, jax.Array]:
     """Column pieces of the same rows as fp16, and `2^-s_h`: each row scaled by the power of two `2^s_h`
     that puts its largest magnitude in [2^14, 2^15), so that bf16 values convert to fp16 without

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 
 from dsjax.cache_formats import Records
 from dsjax.kernels.dispatch import CannotTile
+from dsjax.kernels.gpu_fp16 import fp16_of_bits
 from dsjax.quant import FP4_GROUP, PackedKV, ue8m0_to_float
 
 _FP4_PIECE = 64  # columns per fp4 piece: 32 bytes, two scale groups
@@ -116,8 +117,7 @@ def load_fp4_halves(refs, piece: Piece, rows_k) -> list[tuple[jax.Array, jax.Arr
         even = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
         odd = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
         scale = ue8m0_to_float(scales_ref[rows_k, pl.ds(piece.scale_col + col // FP4_GROUP, 1)])
-        out.append(tuple(jax.lax.bitcast_convert_type(h.astype(jnp.int16), jnp.float16) for h in (even, odd))
-                   + (scale,))
+        out.append((fp16_of_bits(even), fp16_of_bits(odd), scale))
     return out
 
 

@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsjax.kernels.dispatch import CannotTile
 from dsjax.kernels.expert_matmul.fp4_codes import check_layout, fp16_pairs
-from dsjax.kernels.gpu_fp16 import fp16_rows, pow2
+from dsjax.kernels.gpu_fp16 import fp16_of_bits, fp16_rows, pow2
 from dsjax.quant import FP4_GROUP, ue8m0_bytes_to_float, ue8m0_to_float
 
 _FP8_BLOCK = 128
@@ -90,11 +90,6 @@ def addressable(codes: jax.Array) -> bool:
     return codes.size <= 2 ** 31 or codes.size * codes.dtype.itemsize > 2 ** 32
 
 
-def _fp16_of_bits(bits):
-    """The low 16 bits of int32s as fp16."""
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
-
-
 def _e4m3_pair_as_fp16(pair):
     """Two e4m3 codes in the low 16 bits of int32s (first code low) → two fp16 `e4m3 · 2^-8`, exactly,
     by moving the bits: the exponent's four and the mantissa's three land at the bottom of fp16's, so
@@ -102,7 +97,7 @@ def _e4m3_pair_as_fp16(pair):
     int32: V4-Flash's gate_up experts hold 2^32 bytes, and reading them as bytes went out of bounds."""
     first = ((pair & 0x80) << 8) | ((pair & 0x7F) << 7)
     second = (pair & 0x8000) | ((pair >> 1) & 0x3F80)
-    return _fp16_of_bits(first), _fp16_of_bits(second)
+    return fp16_of_bits(first), fp16_of_bits(second)
 
 
 def _fp8_step(w_ref, s_ref, x_ref, g, n0, row0, kb, *, block_m, block_n):
@@ -134,7 +129,7 @@ def _fp4_step(w_ref, s_ref, x_ref, g, n0, row0, kb, *, block_m, block_n, words, 
     relative = pow2(relative).astype(jnp.float16)
     part = jnp.zeros((block_m, block_n), jnp.float32)
     for p, both in enumerate(fp16_pairs(codes, code_layout)):
-        for i, w in zip((p, p + 4), (_fp16_of_bits(both), _fp16_of_bits(both >> 16))):
+        for i, w in zip((p, p + 4), (fp16_of_bits(both), fp16_of_bits(both >> 16))):
             x = x_ref[i, pl.ds(row0, block_m), pl.ds(k0, words)]
             part += jnp.dot(x, (w * relative).T, preferred_element_type=jnp.float32)
     return part * (ue8m0_bytes_to_float(top) * 0.5)[None, :]
