@@ -9,15 +9,17 @@ the fp32 sums; V4.1's MXFP4 key records, read as they are stored, likewise per 3
 each byte's two codes moved bit by bit into fp16 `e2m1 · 2^-14`, the even channels and the odd ones
 multiplied apart against queries whose columns were put in that order outside the kernel, so no
 arithmetic decodes a code and nothing interleaves), ReLU, the weighted sum over heads and a row of
-scores. So a chunk reads its slot's keys `C / block_q` times, not C times; key blocks past every query's count of the block write −inf without
-reading keys. Only the head-summed `[C, T]` scores reach memory, never the `[C, nI, T]` products.
+scores. So a chunk reads its slot's keys `C / block_q` times, not C times; key blocks past every
+query's count of the block write −inf without reading keys. Only the head-summed `[C, T]` scores reach
+memory, never the `[C, nI, T]` products.
 
 fp8 codes against bf16 queries multiply on fp16 tensor cores: the codes convert to fp16 in one
 instruction and exactly (to bf16 they take three), which made the decode kernel 1.2× faster on an
 H200 (fp4 codes, moved into fp16's bits, take a few logic operations). The queries stay exact too:
-each head's row is first multiplied by the power of two that puts its largest magnitude in [2^14, 2^15) (within fp16's range, so nothing overflows), and the sums are divided
-by it again. Only elements below 2^-28 of their row's largest fall into fp16's subnormals, an error of
-at most 2^-39 of that largest element: every product is still exact in the fp32 sums.
+each head's row is first multiplied by the power of two that puts its largest magnitude in
+[2^14, 2^15) (within fp16's range, so nothing overflows), and the sums are divided by it again. Only
+elements below 2^-28 of their row's largest fall into fp16's subnormals, an error of at most 2^-39 of
+that largest element: every product is still exact in the fp32 sums.
 """
 
 from __future__ import annotations
