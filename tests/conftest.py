@@ -218,3 +218,9 @@ def pytest_collection_modifyitems(items):
     """Heavy tests first (a stable sort, so the rest keep their order): with two xdist workers, a
     two-minute test drawn last would leave one worker idle while the other finishes it."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
+def pytest_report_header(config):
+    """The platform the tests run on: JAX_PLATFORMS is "cpu" here unless the caller set it, so a GPU machine
+    runs the GPU tests only with JAX_PLATFORMS=cuda,cpu (they skip with "needs a GPU" otherwise)."""
+    return f"jax platforms: {os.environ['JAX_PLATFORMS']} (set JAX_PLATFORMS=cuda,cpu to run the GPU tests on a GPU)"
