@@ -27,10 +27,14 @@ MAGNITUDES = 0x0E000E00  # where an e2m1 magnitude sits in each of two fp16s (`e
 SIGNED_MAGNITUDES = int(np.uint32(0x8E008E00).view(np.int32))  # both
 
 
-def check_layout(code_layout: str, where: str) -> None:
-    """ValueError naming `where` unless `code_layout` is one of `CODE_LAYOUTS`."""
+def check_layout(code_layout: str, where: str, storage: str = "fp4") -> None:
+    """ValueError naming `where` unless `code_layout` is one of `CODE_LAYOUTS`, and "checkpoint" for
+    experts other than FP4 (FP8 codes are read as stored)."""
     if code_layout not in CODE_LAYOUTS:
         raise ValueError(f"{where}: code_layout must be one of {CODE_LAYOUTS}, got {code_layout!r}")
+    if code_layout != "checkpoint" and storage != "fp4":
+        raise ValueError(f"{where}: code_layout {code_layout!r} is for FP4 codes, not {storage!r} experts "
+                         "(read as stored)")
 
 
 def _as_words(w: jax.Array, where: str) -> jax.Array:

@@ -274,12 +274,9 @@ def expert_matmul_mosaic(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, gr
                          f"128-block), got {words} for {storage.upper()}")
     if stages < 1:
         raise ValueError(f"expert_matmul_mosaic: stages must be at least 1, got {stages}")
-    check_layout(code_layout, "expert_matmul_mosaic")
+    check_layout(code_layout, "expert_matmul_mosaic", storage)
     if fp8_block not in FP8_BLOCKS:
         raise ValueError(f"expert_matmul_mosaic: fp8_block must be one of {FP8_BLOCKS}, got {fp8_block}")
-    if code_layout != "checkpoint" and storage != "fp4":
-        raise ValueError(f"expert_matmul_mosaic: code_layout {code_layout!r} is for FP4 codes; FP8 codes are read "
-                         "as the checkpoint holds them")
     w_enk, scale, first_expert = fold_layer(w_enk, scale, group_sizes_e, layer, "expert_matmul_mosaic")
     e, n = w_enk.shape[:2]  # e: every expert of the stack
     if x_pk.dtype != jnp.bfloat16:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsjax.kernels.expert_matmul.fp4_codes import in_checkpoint_layout
+from dsjax.kernels.expert_matmul.fp4_codes import check_layout, in_checkpoint_layout
 from dsjax.kernels.grouped_dot import grouped_dot
 from dsjax.quant import dequantize_fp4, dequantize_fp8
 
@@ -24,10 +24,9 @@ def dequantized(w_enk: jax.Array, scale: jax.Array, storage: str, dtype,
     `code_layout`: FP4 codes as checkpoints hold them or repacked for the kernels."""
     # Transposing the stored codes first instead (fewer bytes) measured slower on the H200: XLA fused the
     # K-interleave of the unpacked nibbles into a concatenate at a fraction of the copy bandwidth.
+    check_layout(code_layout, "dequantized", storage)
     if storage == "fp4":
         w = dequantize_fp4(in_checkpoint_layout(w_enk, code_layout), scale, dtype)
-    elif code_layout != "checkpoint":
-        raise ValueError(f"dequantized: code_layout {code_layout!r} is for FP4 codes, not {storage!r} experts")
     elif storage == "fp8":
         w = dequantize_fp8(w_enk, scale, dtype, block)
     else:

@@ -182,10 +182,7 @@ def expert_matmul_gpu(x_pk: jax.Array, w_enk: jax.Array, scale: jax.Array, group
         raise CannotTile(f"expert_matmul_gpu: {n} output columns do not tile by {block_n}")
     if storage not in ("fp8", "fp4"):
         raise ValueError(f"expert_matmul_gpu: storage must be 'fp8' or 'fp4', got {storage!r}")
-    check_layout(code_layout, "expert_matmul_gpu")
-    if code_layout != "checkpoint" and storage != "fp4":
-        raise ValueError(f"expert_matmul_gpu: code_layout {code_layout!r} is for FP4 codes; FP8 codes are read "
-                         "as stored")
+    check_layout(code_layout, "expert_matmul_gpu", storage)
     if scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
         raise CannotTile(f"expert_matmul_gpu: {storage.upper()} experts need ue8m0 (power-of-two) scales, got "
                          f"{scale.dtype}: bf16 dequantization would round float scales")
