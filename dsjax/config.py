@@ -22,6 +22,7 @@ ATTENTION_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE = "hash_moe"
 MOE = "moe"
 IMAGE_MOE = "image_moe"  # DeepSeek-V4.1: top-k routing with a separate selection bias for image tokens
+TEXT_MOE = "text_moe"  # DeepSeek-V4.1's DSpark stages: top-k routing on fp32 logits, no image bias
 MLP_TYPES = (HASH_MOE, MOE)
 
 # Legacy per-layer `compress_ratios` ints; only these three values exist.

@@ -22,6 +22,7 @@ from dsjax.kernels.expert_matmul.fp4_codes import check_layout, repack_codes, un
 from dsjax.layers.decoder_layer import DecoderLayer
 from dsjax.layers.experts import EXPERT_LEAVES, RoutedExperts
 from dsjax.layers.demo_vision import DemoVisionEncoder
+from dsjax.layers.embedding import Embedding
 from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import HyperHead
 from dsjax.layers.norms import RMSNorm
@@ -129,14 +130,6 @@ class StackedLayers(nnx.Module):
 def _read_in_place(path, var) -> bool:
     del path
     return bool(isinstance(var, nnx.Variable) and var.get_metadata().get(READ_IN_PLACE, False))
-
-
-class Embedding(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.weight = nnx.Param((0.02 * jax.random.normal(rngs.params(), (vocab, dim))).astype(dtype))
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0, mode="clip")
 
 
 class DeepseekV4(nnx.Module):

@@ -20,6 +20,8 @@ from dsjax.cache import Cache
 from dsjax.config_v41 import V41Config
 from dsjax.engram_hash import EngramHasher
 from dsjax.layers.csa2 import Shared
+from dsjax.layers.dspark import DSparkStage, target_features
+from dsjax.layers.embedding import Embedding
 from dsjax.layers.linear import Linear
 from dsjax.layers.mhc import collapse
 from dsjax.layers.ngram_hash import NgramHash, default_token_map
@@ -27,7 +29,7 @@ from dsjax.layers.norms import RMSNorm
 from dsjax.layers.patch_attention import QUERY_BLOCK
 from dsjax.layers.single_pass_block import SinglePassBlock
 from dsjax.layers.vision_v41 import Aligner, ViT
-from dsjax.model import Embedding, zero_past
+from dsjax.model import zero_past
 from dsjax.numerics import precision
 
 
@@ -39,7 +41,7 @@ class DeepseekV41(nnx.Module):
         None takes `ngram_hash.default_token_map` (a model of random weights has no tokenizer)."""
         self.cfg = cfg
         self.dtype = dtype
-        self.kept_weights = None  # set by the loader: weights of parts not run yet (DSpark)
+        self.kept_weights = None  # set by the loader: release tensors dsjax does not use (`names_v41.KEPT_PREFIXES`)
         if token_map is None:
             token_map = default_token_map(cfg.vocab_size, cfg.engram_compressed_vocab_size)
         self.ngram_hash = nnx.data(NgramHash(EngramHasher.from_config(cfg, token_map)) if cfg.engram_layer_ids
@@ -48,6 +50,10 @@ class DeepseekV41(nnx.Module):
         self.layers = nnx.List([SinglePassBlock(cfg, role, rngs=rngs, dtype=dtype) for role in cfg.layer_roles()])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
+        # The DSpark drafter's stages, under the release's names (`mtp.S.*`).
+        n = cfg.num_nextn_predict_layers
+        self.mtp = nnx.data(nnx.List([DSparkStage(cfg, s == 0, s == n - 1, rngs=rngs, dtype=dtype) for s in range(n)])
+                            if n else None)
         # The image encoder, under the release's names (vision.*, aligner.*, image_start/newline/end).
         v = cfg.vision
         self.vision = nnx.data(ViT(v, rngs=rngs, dtype=dtype) if v else None)
@@ -141,6 +147,12 @@ class DeepseekV41(nnx.Module):
             groups.append((jax.tree.map(lambda a: a[None], one),))
         hidden = self.norm(collapse(pre, h)) if decoder else None
         return hidden, Cache(lengths=start_b + n_valid_b, groups=tuple(groups), history=history)
+
+    def dspark_features(self, input_ids: jax.Array, image_mask: jax.Array | None = None) -> jax.Array:
+        """DSpark's target features `[B,T,len(dspark_target_layer_ids)·H]` of whole sequences: the streams each
+        target layer's attention mixes read (after its Engram update), averaged over the streams, concatenated."""
+        _, per_layer = self.hidden_states(input_ids, image_mask, record=True)
+        return target_features([per_layer[i]["attn_streams"] for i in self.cfg.dspark_target_layer_ids])
 
     def logits(self, hidden_bsh: jax.Array) -> jax.Array:
         """fp32 logits, never rounded to bf16: in the head's dtype with fp32 accumulation, as DeepInfer computes

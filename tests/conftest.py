@@ -132,32 +132,49 @@ def reference_v41_python() -> str:
     return os.environ.get("DSJAX_REF41_PYTHON", str(ROOT / ".venv-ref41" / "bin" / "python"))
 
 
+def _run_v41_harness(tmp_path_factory, harness: Path, spec: dict, name: str) -> Path:
+    """The output folder of one run of a NeMo harness (in `.venv-ref41`) over `spec`, made once per test session
+    and shared by the xdist workers (their base temp dirs share a parent)."""
+    py = reference_v41_python()
+    if not os.path.exists(py):
+        pytest.fail(f"the V4.1 reference environment is missing: {py} does not exist. Create it with "
+                    "`bash .ci/setup` or point DSJAX_REF41_PYTHON at a Python 3.11 with torch==2.13.0+cpu, "
+                    "transformers==5.18.0 and nemo-automodel==0.7.0.")
+    spec_text = json.dumps(spec, sort_keys=True)
+    # run_v41_dspark_reference.py imports run_v41_reference.py: both are part of its key.
+    key = hashlib.sha256(spec_text.encode() + harness.read_bytes() + HARNESS_V41.read_bytes()
+                         + py.encode()).hexdigest()[:16]
+    shared = tmp_path_factory.getbasetemp().parent
+    out = shared / f"{name}-{key}"
+    with open(shared / f"{name}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "done").exists():
+            out.mkdir(exist_ok=True)
+            (out / "spec.json").write_text(spec_text)
+            proc = subprocess.run([py, str(harness), str(out / "spec.json"), str(out)], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0 or not (out / "done").exists():
+                pytest.fail(f"{harness.name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
 @pytest.fixture(scope="session")
 def reference_v41(tmp_path_factory) -> Path:
     """Folder of V4.1 reference outputs from NeMo AutoModel (release checkpoint, logits with and without cache
     quantization, captures, greedy decoding); see run_v41_reference.py."""
     from tests.reference.spec_v41 import SPEC as SPEC_V41
 
-    py = reference_v41_python()
-    if not os.path.exists(py):
-        pytest.fail(f"the V4.1 reference environment is missing: {py} does not exist. Create it with "
-                    "`bash .ci/setup` or point DSJAX_REF41_PYTHON at a Python 3.11 with torch==2.13.0+cpu, "
-                    "transformers==5.18.0 and nemo-automodel==0.7.0.")
-    # One run per test session, shared by the xdist workers (their base temp dirs share a parent).
-    spec_text = json.dumps(SPEC_V41, sort_keys=True)
-    key = hashlib.sha256(spec_text.encode() + HARNESS_V41.read_bytes() + py.encode()).hexdigest()[:16]
-    shared = tmp_path_factory.getbasetemp().parent
-    out = shared / f"reference-v41-{key}"
-    with open(shared / f"reference-v41-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "done").exists():
-            out.mkdir(exist_ok=True)
-            (out / "spec.json").write_text(spec_text)
-            proc = subprocess.run([py, str(HARNESS_V41), str(out / "spec.json"), str(out)], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0 or not (out / "done").exists():
-                pytest.fail(f"V4.1 reference harness failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return _run_v41_harness(tmp_path_factory, HARNESS_V41, SPEC_V41, "reference-v41")
+
+
+@pytest.fixture(scope="session")
+def reference_v41_dspark(tmp_path_factory) -> Path:
+    """Folder of NeMo AutoModel's DSpark drafter outputs (a checkpoint with `mtp.*`, target features, draft
+    blocks' states, Markov bias, confidence and logits); see run_v41_dspark_reference.py."""
+    from tests.reference.spec_v41_dspark import SPEC as SPEC_DSPARK
+
+    return _run_v41_harness(tmp_path_factory, ROOT / "tests" / "reference" / "run_v41_dspark_reference.py",
+                            SPEC_DSPARK, "reference-v41-dspark")
 
 
 _MODELS: dict = {}

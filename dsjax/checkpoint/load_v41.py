@@ -27,8 +27,8 @@ from dsjax.quant import dequantize_fp8
 
 def load_v41(folder: str, cfg_path: str, dtype=jnp.float32, weights: str = "keep") -> DeepseekV41:
     """A DeepseekV41 from a release-layout folder (see `dsjax.load_model`, which calls this for V4.1
-    configs). Tensors of parts dsjax does not run yet (`names_v41.KEPT_PREFIXES`: DSpark's `mtp.*`, the
-    image encoder) are kept as host arrays in `model.kept_weights`."""
+    configs). Release tensors dsjax does not use (`names_v41.KEPT_PREFIXES`) are kept as host arrays in
+    `model.kept_weights`."""
     return _from_tensors(folder, V41Config.from_hf(cfg_path), iter_tensors(folder), cfg_path, dtype, weights)
 
 
@@ -155,7 +155,7 @@ def token_map_of(folder: str, cfg: V41Config) -> np.ndarray | None:
 
 
 class KeptWeights:
-    """Host arrays of the checkpoint's tensors dsjax does not run yet, by release name. Static model data:
+    """Host arrays of the checkpoint's tensors dsjax does not use, by release name. Static model data:
     compared and hashed by identity, so a jitted model never hashes the arrays."""
 
     def __init__(self, arrays: dict[str, np.ndarray]):
@@ -190,7 +190,7 @@ def _put_expert(stored: V41Config, name, file, value, scale, part: names_v41.Exp
     t = targets.get(part.path)
     if t is None:
         raise CheckpointError(f"{file}: unexpected tensor {name!r}; its layer does not exist in this config")
-    e, inter, hidden = stored.n_routed_experts, stored.moe_intermediate_size, stored.hidden_size
+    e, inter, hidden = t.shape[0], stored.moe_intermediate_size, stored.hidden_size  # a layer's or a stage's experts
     if not 0 <= part.expert < e:
         raise CheckpointError(f"{file}: tensor {name!r} names expert {part.expert}, but the config has {e}")
     key = (t.hf, part.expert, part.part)

@@ -30,9 +30,8 @@ LAYER_RULES = [
 ]
 TOP = {"embed.weight": "embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "norm.weight"}
 
-# Weights of parts dsjax does not run yet (DSpark's draft stages): read and kept beside the model, never
-# silently dropped.
-KEPT_PREFIXES = ("mtp.", "image_pad")
+# Release tensors dsjax does not use: read and kept beside the model, never silently dropped.
+KEPT_PREFIXES = ("image_pad",)
 
 # The image encoder's tensors: dsjax's module paths are the release's names (`layers/vision_v41.py`).
 IMAGE_PREFIXES = ("vision.", "aligner.")
@@ -45,15 +44,16 @@ DERIVED = ("ngram_hash.",)
 MERGED_EXPERTS = tuple(m + s for m in ("ffn.experts.gate_up_proj", "ffn.experts.down_proj")
                        for s in ("", "_scale_inv"))
 
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+# A backbone layer (`layers.L.`) or a DSpark stage (`mtp.S.`): the same block names under either.
+_LAYER = re.compile(r"(layers|mtp)\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 
 
 @dataclass(frozen=True)
 class ExpertPart:
     """One release per-expert tensor: `w1` (gate), `w3` (up) or `w2` (down) of `expert` in `layer`."""
 
-    path: str  # the merged dsjax variable: layers.L.ffn.experts.gate_up_proj or .down_proj
+    path: str  # the merged dsjax variable: layers.L.ffn.experts.gate_up_proj or .down_proj (mtp.S. for DSpark)
     expert: int
     part: str
 
@@ -76,16 +76,17 @@ def to_dsjax(name: str) -> str | ExpertPart | None:
         return rest
     e = _EXPERT.fullmatch(rest)
     if e:
-        merged = "down_proj" if e.group(3) == "w2" else "gate_up_proj"
-        return ExpertPart(f"layers.{e.group(1)}.ffn.experts.{merged}", int(e.group(2)), e.group(3))
+        stack, layer, expert, part = e.groups()
+        merged = "down_proj" if part == "w2" else "gate_up_proj"
+        return ExpertPart(f"{stack}.{layer}.ffn.experts.{merged}", int(expert), part)
     m = _LAYER.fullmatch(rest)
     if not m:
         return None
-    layer, tail = m.groups()
+    stack, layer, tail = m.groups()
     for release, ours in LAYER_RULES:
         if tail.startswith(release):
-            return f"layers.{layer}.{ours}{tail[len(release):]}"
-    return f"layers.{layer}.{tail}"
+            return f"{stack}.{layer}.{ours}{tail[len(release):]}"
+    return f"{stack}.{layer}.{tail}"
 
 
 def scale_path(path: str) -> str:
@@ -104,11 +105,11 @@ def to_release(path: str) -> str:
     m = _LAYER.fullmatch(path)
     if not m:
         raise ValueError(f"{path!r} is not a DeepSeek-V4.1 dsjax path")
-    layer, tail = m.groups()
+    stack, layer, tail = m.groups()
     for release, ours in LAYER_RULES:
         if tail.startswith(ours):
-            return f"layers.{layer}.{release}{tail[len(ours):]}"
-    return f"layers.{layer}.{tail}"
+            return f"{stack}.{layer}.{release}{tail[len(ours):]}"
+    return f"{stack}.{layer}.{tail}"
 
 
 # Storage kinds of release tensors: "fp8" (e4m3 + ue8m0 scales per 32 × 32 block), "fp4" (e2m1 pairs in int8 +

@@ -1,6 +1,6 @@
 """A DeepseekV41 → the release's layout: nested `config.json`, release tensor names, per-expert tensors,
 FP8/FP4 weights with their scales as `X.scale` (F8_E8M0), float weights in their own dtype; the weights
-kept beside the model (`kept_weights`: DSpark, the image encoder) are written back as read."""
+kept beside the model (`kept_weights`) are written back as read."""
 
 from __future__ import annotations
 

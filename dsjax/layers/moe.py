@@ -6,15 +6,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsjax.config import HASH_MOE, IMAGE_MOE, ModelConfig
+from dsjax.config import HASH_MOE, IMAGE_MOE, TEXT_MOE, ModelConfig
 from dsjax.layers.experts import RoutedExperts, SharedExpert
-from dsjax.layers.router import HashRouter, ImageAwareRouter, TopKRouter
+from dsjax.layers.router import Fp32TopKRouter, HashRouter, ImageAwareRouter, TopKRouter
 from dsjax.layers.expert_parallel import expert_axis, routed_experts_parallel
 
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, mlp_type: str, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        router = {HASH_MOE: HashRouter, IMAGE_MOE: ImageAwareRouter}.get(mlp_type, TopKRouter)
+        routers = {HASH_MOE: HashRouter, IMAGE_MOE: ImageAwareRouter, TEXT_MOE: Fp32TopKRouter}
+        router = routers.get(mlp_type, TopKRouter)
         self.gate = router(cfg, rngs=rngs, dtype=dtype)
         self.experts = RoutedExperts(cfg, rngs=rngs, dtype=dtype)
         self.shared_experts = SharedExpert(cfg, rngs=rngs, dtype=dtype)

@@ -64,17 +64,22 @@ class HashRouter(_Router):
         return self.weigh(self.scores(x_nh), idx_nk), idx_nk
 
 
-class ImageAwareRouter(TopKRouter):
+class Fp32TopKRouter(TopKRouter):
+    """`TopKRouter` with fp32 logits whatever the activations' dtype (DeepSeek-V4.1's routers; alone, its DSpark
+    stages', which route no image tokens)."""
+
+    def scores(self, x_nh: jax.Array) -> jax.Array:
+        logits = einsum("nh,eh->ne", x_nh.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        return score(logits, self.cfg.scoring_func)
+
+
+class ImageAwareRouter(Fp32TopKRouter):
     """DeepSeek-V4.1's router: fp32 logits, and selection biased by `bias_vl` for image tokens and by
     `e_score_correction_bias` for text (the weights stay the unbiased scores)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
         super().__init__(cfg, rngs=rngs, dtype=dtype)
         self.bias_vl = Buffer(jnp.zeros((cfg.n_routed_experts,), jnp.float32))
-
-    def scores(self, x_nh: jax.Array) -> jax.Array:
-        logits = einsum("nh,eh->ne", x_nh.astype(jnp.float32), self.weight[...].astype(jnp.float32))
-        return score(logits, self.cfg.scoring_func)
 
     def __call__(self, x_nh: jax.Array, image_n: jax.Array):
         scores_ne = self.scores(x_nh)

@@ -49,6 +49,8 @@ class SinglePassBlock(nnx.Module):
             record["streams"] = h_bsnh
         if self.engram is not None:
             h_bsnh = self.engram(h_bsnh, engram_rows_bsk, ~image_bs)
+        if record is not None:
+            record["attn_streams"] = h_bsnh  # what the attention mixes read: DSpark's target features
         pre_a, post_a, comb_a = self.attn_hc.mixes(h_bsnh)
         with jax.named_scope("attention"):
             a_bsh, shared = self.attn(self.attn_norm(collapse(pre_bsn, h_bsnh)), positions_bs, shared, record)

@@ -32,8 +32,7 @@ from tests.helpers import assert_close
 
 
 def _config() -> V41Config:
-    """tiny-v4.1 with one DSpark stage (weights dsjax keeps beside the model, FP8 and FP4 ones among them) and
-    a one-block image encoder."""
+    """tiny-v4.1 with one DSpark stage (FP8 and FP4 weights among them) and a one-block image encoder."""
     raw = json.loads(json.dumps(PRESETS["tiny-v4.1"]))
     raw["text_config"].update(num_nextn_predict_layers=1, dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=8,
                               dspark_n_routed_experts=4)
@@ -43,7 +42,7 @@ def _config() -> V41Config:
 
 
 CFG = _config()
-# Small enough that the embedding, the head, an Engram table and a kept FP8 weight are stored in row blocks,
+# Small enough that the embedding, the head, an Engram table and DSpark's FP8 projection are stored in row blocks,
 # and the experts in blocks of 4 (of 8).
 BLOCK = 8192
 E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
@@ -118,12 +117,12 @@ def test_keep_round_trip_loads_as_the_source_does(src, keep, kept, from_src):
     assert pieces["layers.0.ffn.experts.gate_up_proj.0"]["dtype"] == "int8"
     assert pieces["layers.1.engram.table_scale"]["dtype"] == "uint8"
     assert len([k for k in pieces if k.startswith("layers.3.engram.table.")]) > 1  # row blocks
-    assert len([k for k in pieces if k.startswith("mtp.0.main_proj.weight.")]) > 1  # a kept weight, in blocks
-    assert pieces["mtp.0.main_proj.scale"]["dtype"] == "float8_e8m0fnu"  # kept as read
+    assert len([k for k in pieces if k.startswith("mtp.0.main_proj.weight.")]) > 1  # DSpark's FP8, in blocks
+    assert pieces["mtp.0.main_proj.weight_scale_inv"]["dtype"] == "uint8"  # a variable, like the layers' FP8
     assert_same_model(kept, from_src)
-    assert len(kept.kept_weights) > 40 and all(n.startswith("mtp.") for n in kept.kept_weights.names())
+    assert len(kept.kept_weights) == 0 and len(kept.mtp) == 1
     assert _flat(kept)["vision.blocks.0.attn.wqkv.weight"].shape == (96, 32)  # the encoder runs: a variable
-    assert kept.kept_weights.arrays["mtp.0.ffn.experts.3.w2.weight"].dtype == np.int8
+    assert _flat(kept)["mtp.0.ffn.experts.down_proj"].dtype == np.int8
     # The token map comes from the tokenizer copied along, not the default of a folder without one.
     assert not np.array_equal(np.asarray(kept.ngram_hash.token_map[...]),
                               default_token_map(CFG.vocab_size, CFG.engram_compressed_vocab_size))
@@ -139,7 +138,7 @@ def test_bf16_round_trip_loads_as_the_source_dequantized(src, keep, bf16, dense)
     assert not [k for k in pieces if "_scale" in k and not names_v41.is_kept(k)]  # *_scale_inv, table_scale
     assert pieces["layers.0.attn.q_a_proj.weight"]["dtype"] == "bfloat16"
     assert pieces["layers.1.engram.table"]["dtype"] == "bfloat16"
-    assert pieces["mtp.0.main_proj.weight"]["dtype"] == "float8_e4m3fn"  # kept weights stay as read
+    assert pieces["mtp.0.main_proj.weight"]["dtype"] == "bfloat16"
     # ep=2: blocks of whole expert-parallel shares, dsjax's float orientation [E, H, 2I]
     assert [k for k in pieces if k.startswith("layers.5.ffn.experts.gate_up_proj.")] == [
         "layers.5.ffn.experts.gate_up_proj.0", "layers.5.ffn.experts.gate_up_proj.4"]

@@ -17,8 +17,10 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import dsjax
+from dsjax.checkpoint.names_v41 import release_shapes
 from dsjax.checkpoint.safetensors_io import CheckpointError, iter_tensors
 from dsjax.checkpoint.save_v41 import save_v41
+from dsjax.checkpoint.synthetic import write_synthetic_v41
 from dsjax.config import QuantConfig
 from dsjax.config_v41 import V41Config
 from dsjax.engram_hash import EngramHasher, compressed_token_map
@@ -259,30 +261,42 @@ def test_expert_layout_of_a_float_checkpoint(float_model, float_folder):
 
 # ------------------------------------------------------------------------------------- kept weights
 
-def test_mtp_tensors_are_kept_and_written_back(quant_folder, tmp_path):
-    rng = np.random.default_rng(5)
-    extra = {
-        "mtp.0.main_proj.weight": rng.uniform(-2, 2, (64, 192)).astype(E4M3),
-        "mtp.0.main_proj.scale": rng.integers(120, 125, (2, 6)).astype(np.uint8).view(E8M0),
-        "mtp.0.main_norm.weight": rng.normal(size=64).astype(ml_dtypes.bfloat16),
-        "mtp.0.ffn.experts.0.w1.weight": rng.integers(-128, 128, (32, 32)).astype(np.int8),
-    }
-    src = tmp_path / "with_extra"
+def test_dspark_tensors_in_a_config_without_stages_are_refused(quant_folder, tmp_path):
+    """DSpark's stages are part of the model: their tensors in a checkpoint whose config has no stages belong to
+    no parameter, and the error names one."""
+    src = tmp_path / "with_mtp"
+    extra = {"mtp.0.main_norm.weight": np.ones(64, ml_dtypes.bfloat16)}
     _write(src, {"model-00001-of-00002.safetensors": _tensors(quant_folder),
                  "model-00002-of-00002.safetensors": extra}, quant_folder)
+    with pytest.raises(CheckpointError, match="unexpected tensor 'mtp.0.main_norm.weight'"):
+        dsjax.load_model(src)
+
+
+def test_dspark_stages_load_and_save_back_as_read(tmp_path):
+    """A release checkpoint with two DSpark stages (FP8 projections, FP4 experts, bf16 heads): every `mtp.*`
+    tensor of the spec's list loads into the model's stages and is written back, the quantized ones byte for byte
+    and the float ones with their values (in the model's dtype, as every float weight)."""
+    cfg = QCFG.replace(num_nextn_predict_layers=2, compress_ratios=QCFG.compress_ratios + (0, 0),
+                       dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=8, dspark_n_routed_experts=4,
+                       dspark_num_experts_per_tok=3)
+    src = tmp_path / "src"
+    write_synthetic_v41(src, cfg, seed=3)
     model = dsjax.load_model(src)
-    assert model.kept_weights.names() == sorted(extra)
-    for name, value in extra.items():
-        kept = model.kept_weights.arrays[name]
-        assert kept.shape == value.shape
-        np.testing.assert_array_equal(np.asarray(kept).view(np.uint8), value.view(np.uint8), err_msg=name)
+    assert len(model.mtp) == 2 and len(model.kept_weights) == 0
+    read = _tensors(src)
+    mtp = {n for n in read if n.startswith("mtp.")}
+    assert {n for n in release_shapes(cfg) if n.startswith("mtp.")} <= mtp
+    assert read["mtp.1.ffn.experts.3.w2.weight"].dtype == np.int8 and read["mtp.0.main_proj.scale"].dtype == E8M0
     out = tmp_path / "written"
     save_v41(model, out)
     written = _tensors(out)
-    for name, value in extra.items():
-        assert written[name].dtype == value.dtype, name
-        np.testing.assert_array_equal(written[name].view(np.uint8), value.view(np.uint8), err_msg=name)
-    assert written.keys() == _tensors(src).keys()
+    assert written.keys() == read.keys()
+    for name in sorted(mtp):
+        if read[name].dtype in (E4M3, E8M0, np.dtype(np.int8)):
+            assert written[name].dtype == read[name].dtype, name
+            np.testing.assert_array_equal(written[name].view(np.uint8), read[name].view(np.uint8), err_msg=name)
+        else:
+            np.testing.assert_array_equal(written[name].astype(np.float32), read[name].astype(np.float32), name)
 
 
 def test_image_encoder_tensors_in_a_text_only_config_are_refused(quant_folder, tmp_path):
