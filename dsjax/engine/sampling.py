@@ -161,8 +161,9 @@ def _sample_plain(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax
     return jnp.argmax(logits_bv / temp_b + noise_bv, axis=-1).astype(jnp.int32)
 
 
-def _sample_filtered(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
-    """Temperature sampling with each row's top-k and top-p cuts, over the sorted vocabulary."""
+def _filtered_sorted(logits_bv: jax.Array, params: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """Each row's tempered logits over the vocabulary sorted in descending order, −inf past its top-k and top-p
+    cuts, and the sorted token ids."""
     temp_b = jnp.maximum(params.temperature, 1e-6)[:, None]
     # A stable sort orders tied logits by token id, so top-k/top-p cuts never depend on how the sort
     # happened to order ties (which differs with the batch's shape).
@@ -175,9 +176,24 @@ def _sample_filtered(logits_bv: jax.Array, params: SamplingArrays, positions_b: 
     probs = jax.nn.softmax(scaled, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above this rank
     keep &= before < params.top_p[:, None]
-    scaled = jnp.where(keep, scaled, -jnp.inf)
+    return jnp.where(keep, scaled, -jnp.inf), sorted_ids
+
+
+def _sample_filtered(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
+    """Temperature sampling with each row's top-k and top-p cuts, over the sorted vocabulary."""
+    scaled, sorted_ids = _filtered_sorted(logits_bv.astype(jnp.float32), params)
     # Each token id owns its noise draw, so a request's choice depends only on its own logits.
     noise_sorted = jnp.take_along_axis(_gumbel_bv(params, positions_b, logits_bv.shape[-1]), sorted_ids, axis=-1)
     picked_rank = jnp.argmax(scaled + noise_sorted, axis=-1)
     return jnp.take_along_axis(sorted_ids, picked_rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
+
+def distribution(logits_bv: jax.Array, params: SamplingArrays) -> jax.Array:
+    """`[B,V]` fp32: the distribution `sample` draws each row's token from (temperature, then the top-k and top-p
+    cuts; one-hot on the most likely token for greedy rows), in vocabulary order."""
+    logits_bv = logits_bv.astype(jnp.float32)
+    scaled, sorted_ids = _filtered_sorted(logits_bv, params)
+    b = jnp.arange(logits_bv.shape[0])[:, None]
+    probs = jnp.zeros_like(logits_bv).at[b, sorted_ids].set(jax.nn.softmax(scaled, axis=-1))
+    greedy = jax.nn.one_hot(jnp.argmax(logits_bv, axis=-1), logits_bv.shape[-1], dtype=jnp.float32)
+    return jnp.where((params.temperature == 0)[:, None], greedy, probs)
