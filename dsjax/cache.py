@@ -196,6 +196,27 @@ def extend_window(ring: Rows, kv_bcd: jax.Array, start_b: jax.Array, n_valid_b: 
     return WindowKeys(rows, start_bc, end_bc), new_ring
 
 
+def overwritten_rows(ring: Rows, start_b: jax.Array, c_len: int) -> Rows:
+    """`[B, C, D]`: the ring's rows at the slots a chunk of C positions start … will write, before it does."""
+    w = jax.tree.leaves(ring)[0].shape[1]
+    if c_len > w:
+        raise ValueError(f"a chunk of {c_len} positions overwrites itself in a window of {w}; nothing to restore")
+    slots_bc = jnp.mod(start_b[:, None] + jnp.arange(c_len)[None, :], w)
+    return jax.tree.map(lambda r: jnp.take_along_axis(r, _along_rows(slots_bc, r), axis=1), ring)
+
+
+def restore_rows(ring: Rows, saved_bcd: Rows, start_b: jax.Array, n_valid_b: jax.Array,
+                 n_kept_b: jax.Array) -> Rows:
+    """`ring` after a chunk's first n_valid rows were written at positions start …, with the slots of positions
+    start + n_kept … start + n_valid − 1 given back their `overwritten_rows`: the ring of a chunk of n_kept rows."""
+    w = jax.tree.leaves(ring)[0].shape[1]
+    c = jnp.arange(jax.tree.leaves(saved_bcd)[0].shape[1])[None, :]
+    undo_bc = (c >= n_kept_b[:, None]) & (c < n_valid_b[:, None])
+    target_bc = jnp.where(undo_bc, jnp.mod(start_b[:, None] + c, w), w)  # out of range: dropped
+    slots = jnp.arange(start_b.shape[0])[:, None]
+    return jax.tree.map(lambda r, saved: r.at[slots, target_bc].set(saved, mode="drop"), ring, saved_bcd)
+
+
 # -------------------------------------------------------------------- compressor buffers and entries
 
 def num_entries(length, rate: int):
@@ -269,6 +290,18 @@ def store_windows(state: CompressorState, windows: Windows, pooled_bkc: jax.Arra
     return dataclasses.replace(
         new, overlap_kv=jnp.where(moved, _take_window(windows.kv_bkmn, last_k)[..., :c], state.overlap_kv),
         overlap_gate=jnp.where(moved, _take_window(windows.gate_bkmn, last_k)[..., :c], state.overlap_gate))
+
+
+def buffer_at(state: CompressorState, windows: Windows, end_b: jax.Array) -> CompressorState:
+    """`state` (written through the windows' span) with the partial window holding `end` in its buffer, as
+    `store_windows` would have left it for a chunk ending there. Entries are not touched: past `num_entries(end)`
+    they are never read. (No overlap: DeepSeek-V4.1's compressors have none.)"""
+    if state.overlap_kv is not None:
+        raise ValueError("buffer_at does not rewind a CSA overlap")
+    n_win, m = windows.kv_bkmn.shape[1:3]
+    tail_k = jnp.clip(end_b // m - windows.first_b, 0, n_win - 1)
+    return dataclasses.replace(state, buffer_kv=_take_window(windows.kv_bkmn, tail_k),
+                               buffer_gate=_take_window(windows.gate_bkmn, tail_k))
 
 
 def write_entries(entries: Rows, rows_bkc: jax.Array, first_b: jax.Array, count_b: jax.Array) -> Rows:

@@ -329,3 +329,53 @@ def test_right_padded_rows_equal_rows_alone(model, ids):
     assert _rel(got[1, :29], alone[0]) <= 1e-5
     assert (got[1, 29:] == 0).all()
     np.testing.assert_array_equal(got[0], forward(model, ids)[0])
+
+
+def _extend_with_undo(m, tokens, cache, start, n_valid):
+    undo = {}
+    hidden, cache = m.extend(tokens, cache, start, n_valid, undo=undo)
+    return hidden, cache, undo
+
+
+_speculate = jax.jit(_extend_with_undo)
+_rewind = jax.jit(lambda m, cache, undo, tokens, start, n_valid, n_kept: m.rewind(cache, undo, tokens, start, n_valid,
+                                                                                  n_kept))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp4"])
+def test_rewind_leaves_the_cache_of_the_kept_tokens(built, ids, kv_dtype):
+    """A chunk of 6 (speculative decoding's emitted token and 5 drafts) run whole, then taken back to its first
+    n_kept tokens, leaves what a chunk of those alone leaves: the same rings, ratio-2 buffers (their waiting
+    token), entries and index keys up to the new length, Engram history and lengths; and the decode steps after
+    it give the same logits. Rows end odd and even (a ratio-2 pair open or closed), keep all, some or one."""
+    model = with_cache_rounding(built, kv_dtype is not None)
+    c = 6
+    prompt = jnp.asarray([13, 16], jnp.int32)
+    cache = init_cache(model, B, T, kv_dtype=kv_dtype)
+    for start in range(0, 16, 8):  # the prompts: 13 and 16 tokens
+        n = jnp.clip(prompt - start, 0, 8)
+        _, cache = _step(model, jnp.asarray(ids[:, start:start + 8]), cache, jnp.full((B,), start, jnp.int32), n)
+    chunk = jnp.asarray(np.stack([ids[r, int(prompt[r]):int(prompt[r]) + c] for r in range(B)]))
+    for kept in ([1, 6], [4, 3], [6, 1]):
+        n_kept = jnp.asarray(kept, jnp.int32)
+        _, whole, undo = _speculate(model, chunk, cache, prompt, jnp.full((B,), c, jnp.int32))
+        got = _rewind(model, whole, undo, chunk, prompt, jnp.full((B,), c, jnp.int32), n_kept)
+        _, want = _step(model, chunk, cache, prompt, n_kept)
+        end = prompt + n_kept
+        for r in range(B):
+            a, b = _row(got, r), _row(want, r)
+            assert a.keys() == b.keys()
+            for key in a:
+                x, y = a[key], b[key]
+                if "buffer_" in key:  # only the slot of a waiting token (an odd length) holds data
+                    x, y = x[..., :int(end[r]) % 2, :], y[..., :int(end[r]) % 2, :]
+                elif "entries" in key or ".keys" in key:  # entries past the new length are never read
+                    n = int(end[r]) // (T // x.shape[1])  # the store holds max_len // ratio entries
+                    x, y = x[:, :n], y[:, :n]
+                np.testing.assert_array_equal(x, y, err_msg=f"kept {kept}, row {r}: {key}")
+        # The steps after it: each row decodes from its new length, the same token into both caches.
+        for step in range(3):
+            token = jnp.asarray(ids[:, 30 + step:31 + step])
+            h_got, got = _step(model, token, got, end + step, jnp.ones((B,), jnp.int32))
+            h_want, want = _step(model, token, want, end + step, jnp.ones((B,), jnp.int32))
+            np.testing.assert_array_equal(np.asarray(h_got), np.asarray(h_want), err_msg=f"kept {kept}, step {step}")

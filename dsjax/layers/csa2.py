@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.cache import CompressorState, LayerCache, extend_window, gather_windows, is_packed, num_entries, \
-    store_windows, write_entries
+    overwritten_rows, store_windows, write_entries
 from dsjax.cache_formats import quantize_dequantize
 from dsjax.config_v41 import FULL, REINDEX, LayerRole, V41Config
 from dsjax.kernels.indexer.op import index_scores
@@ -66,11 +66,12 @@ class CSA2Compressor(nnx.Module):
         return self.kv_norm(self.pool(x_bsh[:, : x_bsh.shape[1] // self.ratio * self.ratio]).astype(x_bsh.dtype))
 
     def extend(self, x_bch: jax.Array, start_b: jax.Array, n_valid_b: jax.Array, state: CompressorState,
-               finish) -> tuple[CompressorState, jax.Array, jax.Array, jax.Array]:
+               finish, undo: dict | None = None) -> tuple[CompressorState, jax.Array, jax.Array, jax.Array]:
         """Cached form for C new tokens per row (the first n_valid real, from position start): the latents of
         the entries this chunk completes, `[B, K, D]` pre-RoPE, the first entry's index `[B]` and how many
         are complete `[B]`; `finish(latent, first_b)` turns them into the stored rows (`(entries, keys)`),
-        written here. Ratio 2 keeps an unpaired token's raw fp32 projections in the state's buffer."""
+        written here. Ratio 2 keeps an unpaired token's raw fp32 projections in the state's buffer; `undo`, if given,
+        receives the chunk's `windows`, from which `cache.buffer_at` rewinds the buffer to an earlier end."""
         m = self.ratio
         end_b = start_b + n_valid_b
         if m == 1:
@@ -80,6 +81,8 @@ class CSA2Compressor(nnx.Module):
             return state, keys, start_b, n_valid_b
         xf = x_bch.astype(jnp.float32)
         windows = gather_windows(state, self.kv_proj(xf), self.gate_proj(xf), start_b)
+        if undo is not None:
+            undo["windows"] = windows
         entries, keys = finish(self.kv_norm(_pool(windows.kv_bkmn, windows.gate_bkmn).astype(x_bch.dtype)),
                                windows.first_b)
         new = store_windows(state, windows, entries, end_b)
@@ -266,22 +269,28 @@ class CSA2Attention(Attention):
         rows = _round(apply_rope(latent_bkd, cos, sin), "nvfp4", rounding and not stored)
         return rows, self.indexer.keys(latent_bkd, pos_bk, rounding and not stored_keys)
 
-    def _write_source(self, x_bch, start_b, n_valid_b, cache: LayerCache) -> tuple[LayerCache, Shared]:
+    def _write_source(self, x_bch, start_b, n_valid_b, cache: LayerCache,
+                      undo: dict | None = None) -> tuple[LayerCache, Shared]:
         finish = lambda latent, first_b: self._entry_rows(latent, first_b, cache)  # noqa: E731
         state, new_keys, first_b, count_b = self.compressor.extend(x_bch, start_b, n_valid_b, cache.compressor,
-                                                                   finish)
+                                                                   finish, undo)
         cache = dataclasses.replace(cache, compressor=state, keys=write_entries(cache.keys, new_keys, first_b, count_b))
         return cache, Shared(entries_btd=state.entries, keys_btc=cache.keys)
 
     def extend(self, x_bch: jax.Array, start_b: jax.Array, n_valid_b: jax.Array, shared: Shared,
-               cache: LayerCache, floor_b: jax.Array | None = None) -> tuple[jax.Array, Shared, LayerCache]:
+               cache: LayerCache, floor_b: jax.Array | None = None,
+               undo: dict | None = None) -> tuple[jax.Array, Shared, LayerCache]:
         """Cached attention for C new tokens per row at positions start … start + C − 1 (the first n_valid
         real; n_valid = 0 leaves the row's cache unchanged), through the sparse attention operations
         (`kernels.sparse_attention`): keys are the window ring and the chunk, and the picked entries of
         the KV source's store, which a Full layer writes here and `Shared` carries to the layers after it.
-        `floor_b` hides window positions below it from the chunk's queries (bounded replay)."""
+        `floor_b` hides window positions below it from the chunk's queries (bounded replay). `undo`, if given,
+        receives what taking back the chunk's later rows needs (`DeepseekV41.rewind`): the ring rows it overwrites
+        (`ring`) and the compressor's `windows`."""
         cfg, role, rounding = self.cfg, self.role, self.cache_rounding
         c_len = x_bch.shape[1]
+        if undo is not None:
+            undo["ring"] = overwritten_rows(cache.window, start_b, c_len)
         positions_bc = start_b[:, None] + jnp.arange(c_len)[None, :]
         cos_h, sin_h, q_res_bcr, q_bchd, kv_bcd = self._project_in(x_bch, positions_bc)
         kv_bcd = _round(kv_bcd, "mxfp8", rounding and not is_packed(cache.window))  # packing rounds them alike
@@ -290,7 +299,7 @@ class CSA2Attention(Attention):
         entries, picks = None, None
         if role.ratio:
             if self.compressor is not None:
-                cache, shared = self._write_source(x_bch, start_b, n_valid_b, cache)
+                cache, shared = self._write_source(x_bch, start_b, n_valid_b, cache, undo)
             if self.indexer is not None:
                 with jax.named_scope("indexer"):
                     score_bct = self.indexer.cached_scores(x_bch, q_res_bcr, positions_bc, shared.keys_btc,

@@ -62,15 +62,15 @@ class SinglePassBlock(nnx.Module):
 
     def extend(self, h_bcnh: jax.Array, pre_bcn: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
                image_bc: jax.Array, engram_rows_bck: jax.Array | None, shared: Shared, cache: LayerCache,
-               floor_b: jax.Array | None = None):
-        """The cached form for a chunk of C tokens per row: `(streams, pre, shared, layer cache)`; `floor_b` as
-        in `CSA2Attention.extend`."""
+               floor_b: jax.Array | None = None, undo: dict | None = None):
+        """The cached form for a chunk of C tokens per row: `(streams, pre, shared, layer cache)`; `floor_b` and
+        `undo` as in `CSA2Attention.extend`."""
         if self.engram is not None:
             h_bcnh = self.engram(h_bcnh, engram_rows_bck, ~image_bc)
         pre_a, post_a, comb_a = self.attn_hc.mixes(h_bcnh)
         with jax.named_scope("attention"):
             a_bch, shared, cache = self.attn.extend(self.attn_norm(collapse(pre_bcn, h_bcnh)), start_b, n_valid_b,
-                                                    shared, cache, floor_b)
+                                                    shared, cache, floor_b, undo)
         h_bcnh = post_update(post_a, comb_a, a_bch, h_bcnh)
         pre_f, post_f, comb_f = self.ffn_hc.mixes(h_bcnh)
         with jax.named_scope("moe"):
