@@ -103,7 +103,7 @@ class DeepseekV41(nnx.Module):
 
     def extend(self, tokens_bc: jax.Array, cache: Cache, start_b: jax.Array, n_valid_b: jax.Array,
                spliced: tuple[jax.Array, jax.Array] | None = None, decoder: bool = True,
-               floor_b: jax.Array | None = None, undo: dict | None = None):
+               floor_b: jax.Array | None = None, record: dict | None = None):
         """Run C new tokens per slot through the cache (`dsjax.cache.init_cache`): row b's tokens sit at
         positions start[b] …, the first n_valid[b] real (0 leaves the slot untouched). Returns the final
         hidden states `[B,C,H]` and the cache with those tokens added. `spliced` = (embeds, mask) replaces
@@ -114,8 +114,9 @@ class DeepseekV41(nnx.Module):
         p reads the layer below within its window only, so a prompt of length L whose chunks before
         `L − decoder_keep(cfg)` run so and whose later chunks run whole ends with exactly the caches, and
         the last position exactly the logits, of running every layer on every token. `floor_b` hides the
-        decoder windows' positions below it (DeepInfer's approximate bounded replay). `undo`, if given (a dict),
-        receives what `rewind` needs to take back the chunk's later tokens (speculative decoding's rejected ones)."""
+        decoder windows' positions below it (DeepInfer's approximate bounded replay). `record`, if given (a dict),
+        receives what `rewind` needs to take back the chunk's later tokens (speculative decoding's rejected ones)
+        and, for a model with DSpark stages, the chunk's target `features` `[B,C,len(target layers)·H]`."""
         cfg = self.cfg
         b, c = tokens_bc.shape
         x = self.embed_tokens(tokens_bc)
@@ -126,8 +127,10 @@ class DeepseekV41(nnx.Module):
         rows, history = None, cache.history
         if history is not None:  # a row starting a sequence has no earlier tokens, whatever its slot held before
             history = jnp.where(((start_b == 0) & (n_valid_b > 0))[:, None], -1, history)
-        if undo is not None:
-            undo.update(history=history, image=image_bc, layers=[])
+        if record is not None:
+            record.update(history=history, image=image_bc, layers=[])
+        targets = self.cfg.dspark_target_layer_ids if self.mtp is not None else ()
+        streams = []
         if self.ngram_hash is not None:
             rows = self.ngram_hash(tokens_bc, history, ~image_bc)
             history = self.ngram_hash.next_history(tokens_bc, history, ~image_bc, n_valid_b)
@@ -144,22 +147,27 @@ class DeepseekV41(nnx.Module):
                 if i == first_dec and layer.role.mode == "full":
                     one = layer.write_source(h, pre, start_b, n_valid_b, one)
                 groups.append((jax.tree.map(lambda a: a[None], one),))
-                if undo is not None:
-                    undo["layers"].append({})  # an encoder-only chunk is never taken back
+                if record is not None:
+                    record["layers"].append({})  # an encoder-only chunk is never taken back
                 continue
             layer_rows = None if layer.role.engram is None else rows[:, :, layer.role.engram]
-            layer_undo = None if undo is None else {}
+            undo = None if record is None else {}
             h, pre, shared, one = layer.extend(h, pre, start_b, n_valid_b, image_bc, layer_rows, shared, one,
-                                               floor_b if i >= first_dec else None, layer_undo)
-            if undo is not None:
-                undo["layers"].append(layer_undo)
+                                               floor_b if i >= first_dec else None, undo)
+            if record is not None:
+                attn_streams = undo.pop("attn_streams")
+                if i in targets:
+                    streams.append(attn_streams)
+                record["layers"].append(undo)
             groups.append((jax.tree.map(lambda a: a[None], one),))
         hidden = self.norm(collapse(pre, h)) if decoder else None
+        if record is not None and streams:
+            record["features"] = target_features(streams)
         return hidden, Cache(lengths=start_b + n_valid_b, groups=tuple(groups), history=history)
 
-    def rewind(self, cache: Cache, undo: dict, tokens_bc: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
+    def rewind(self, cache: Cache, record: dict, tokens_bc: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
                n_kept_b: jax.Array) -> Cache:
-        """The cache `extend` left after a chunk of n_valid tokens at positions start … (with `undo` recorded),
+        """The cache `extend` left after a chunk of n_valid tokens at positions start … (with `record` given),
         turned into the one a chunk of its first n_kept tokens leaves: the window rings get back the rows the
         rest overwrote, the ratio-2 buffers hold the partial pair at the new end, Engram's history is that of the
         kept tokens, and the lengths end there. Compressed entries and index keys past the new end stay written:
@@ -168,7 +176,7 @@ class DeepseekV41(nnx.Module):
         end_b = start_b + n_kept_b
         cut = (n_kept_b < n_valid_b)[:, None, None]
         groups = []
-        for (stacked,), rec in zip(cache.groups, undo["layers"]):
+        for (stacked,), rec in zip(cache.groups, record["layers"]):
             one = jax.tree.map(lambda a: a[0], stacked)
             if "ring" in rec:
                 one = dataclasses.replace(one, window=restore_rows(one.window, rec["ring"], start_b, n_valid_b,
@@ -182,7 +190,7 @@ class DeepseekV41(nnx.Module):
             groups.append((jax.tree.map(lambda a: a[None], one),))
         history = cache.history
         if self.ngram_hash is not None:
-            history = self.ngram_hash.next_history(tokens_bc, undo["history"], ~undo["image"], n_kept_b)
+            history = self.ngram_hash.next_history(tokens_bc, record["history"], ~record["image"], n_kept_b)
         return Cache(lengths=end_b, groups=tuple(groups), history=history)
 
     def dspark_features(self, input_ids: jax.Array, image_mask: jax.Array | None = None) -> jax.Array:

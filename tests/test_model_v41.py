@@ -332,9 +332,9 @@ def test_right_padded_rows_equal_rows_alone(model, ids):
 
 
 def _extend_with_undo(m, tokens, cache, start, n_valid):
-    undo = {}
-    hidden, cache = m.extend(tokens, cache, start, n_valid, undo=undo)
-    return hidden, cache, undo
+    record = {}
+    hidden, cache = m.extend(tokens, cache, start, n_valid, record=record)
+    return hidden, cache, record
 
 
 _speculate = jax.jit(_extend_with_undo)

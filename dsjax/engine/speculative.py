@@ -24,7 +24,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dsjax.cache import ring_positions, write_window
 from dsjax.engine.sampling import SamplingArrays, distribution
+from dsjax.layers import dspark
 
 DRAFT_STREAM = 1  # fold_in tags after the position: the draft tokens' noise,
 ACCEPT_STREAM = 2  # and the uniforms that accept drafts
@@ -114,3 +116,62 @@ def block_inputs(model, first_b: jax.Array) -> jax.Array:
     tokens = jnp.full((first_b.shape[0], cfg.dspark_block_size), cfg.dspark_noise_token_id, jnp.int32)
     return model.embed_tokens(tokens.at[:, 0].set(first_b))
 
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftState:
+    """A slot's drafting state between target steps: each stage's context keys in a ring (slot = position % window,
+    as the target's window rings), the last emitted token (at position `cache.lengths`, not yet in the target's
+    cache) and the drafts proposed after it."""
+
+    rings: tuple  # per stage [B, W, D]
+    token: jax.Array  # [B] i32
+    drafts: Drafts
+
+
+def new_rings(model, num_slots: int) -> tuple:
+    """Empty context-key rings, one per DSpark stage."""
+    cfg = model.cfg
+    return tuple(jnp.zeros((num_slots, cfg.sliding_window, cfg.head_dim), model.dtype) for _ in model.mtp)
+
+
+def write_context(model, rings: tuple, features_bcf: jax.Array, start_b: jax.Array, n_b: jax.Array) -> tuple:
+    """The rings with the context keys of target tokens at positions start … start + n − 1 written, from their
+    features (`DeepseekV41.extend`'s `record["features"]`)."""
+    positions = start_b[:, None] + jnp.arange(features_bcf.shape[1])[None, :]
+    keys = dspark.context_keys(model.mtp, dspark.main_states(model.mtp, features_bcf), positions)
+    return tuple(write_window(ring, k.astype(ring.dtype), start_b, n_b) for ring, k in zip(rings, keys))
+
+
+def propose(model, rings: tuple, token_b: jax.Array, position_b: jax.Array, params: SamplingArrays) -> Drafts:
+    """The drafts after `token_b` at `position_b` (its context: the rings' positions before it, within the
+    window), for positions position + 1 … position + k."""
+    cfg = model.cfg
+    k = cfg.dspark_block_size
+    held_bw = ring_positions(position_b - 1, cfg.sliding_window)
+    visible = jnp.broadcast_to((held_bw >= 0)[:, None, :], (token_b.shape[0], k, cfg.sliding_window))
+    block = position_b[:, None] + jnp.arange(k)[None, :]
+    state = dspark.draft_states(model.mtp, block_inputs(model, token_b), block, list(rings), visible)
+    return draft_tokens(model, state, token_b, params, position_b)
+
+
+def speculative_step(model, cache, state: DraftState, params: SamplingArrays, n_draft_b: jax.Array):
+    """One target step over each row's emitted token and its first `n_draft` drafts: verified, the cache taken
+    back past the rejected ones, the context keys of the kept tokens written and the next drafts proposed. Returns
+    `(cache, state, emitted [B, k+1], n_emitted [B])`: the kept drafts then the target's token after them."""
+    start = cache.lengths
+    k = state.drafts.tokens.shape[1]
+    tokens = jnp.concatenate([state.token[:, None], state.drafts.tokens], axis=1)
+    n_valid = 1 + n_draft_b
+    record: dict = {}
+    hidden, cache = model.extend(tokens, cache, start, n_valid, record=record)
+    verified = verify(model.logits(hidden), state.drafts.tokens, state.drafts.probs, n_draft_b, params, start + 1)
+    n_kept = 1 + verified.accepted
+    cache = model.rewind(cache, record, tokens, start, n_valid, n_kept)
+    rings = write_context(model, state.rings, record["features"], start, n_kept)
+    position = start + n_kept  # of the target's new token
+    drafts = propose(model, rings, verified.token, position, params)
+    emitted = jnp.concatenate([state.drafts.tokens, jnp.zeros_like(state.token)[:, None]], axis=1)
+    emitted = jnp.where(jnp.arange(k + 1)[None, :] == verified.accepted[:, None], verified.token[:, None], emitted)
+    return cache, DraftState(rings, verified.token, drafts), emitted, n_kept

@@ -67,6 +67,8 @@ class SinglePassBlock(nnx.Module):
         `undo` as in `CSA2Attention.extend`."""
         if self.engram is not None:
             h_bcnh = self.engram(h_bcnh, engram_rows_bck, ~image_bc)
+        if undo is not None:
+            undo["attn_streams"] = h_bcnh  # DSpark's target features (the model keeps its target layers')
         pre_a, post_a, comb_a = self.attn_hc.mixes(h_bcnh)
         with jax.named_scope("attention"):
             a_bch, shared, cache = self.attn.extend(self.attn_norm(collapse(pre_bcn, h_bcnh)), start_b, n_valid_b,

@@ -5,6 +5,8 @@ drafts follow its heads token by token."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from flax import nnx
 from scipy import stats
 
+from dsjax.cache import init_cache
 from dsjax.config_v41 import V41Config
 from dsjax.engine import speculative
 from dsjax.engine.sampling import SamplingArrays, SamplingParams, distribution
@@ -145,3 +148,115 @@ def test_greedy_drafts_follow_the_heads_token_by_token():
     assert (np.asarray(head_only) != np.asarray(drafts.tokens)).any()  # the Markov bias mattered
     np.testing.assert_array_equal(drafts.probs.max(-1), 1.0)
     assert ((drafts.confidence > 0) & (drafts.confidence < 1)).all()
+
+
+def _drafting_model(seed: int) -> DeepseekV41:
+    """tiny-v4.1 with three DSpark stages, fp32, every gate the init leaves trivial made random."""
+    base = V41Config.preset("tiny-v4.1")
+    cfg = base.replace(num_nextn_predict_layers=3, compress_ratios=base.compress_ratios + (0, 0, 0),
+                       dspark_block_size=5, dspark_noise_token_id=254, dspark_target_layer_ids=(5, 6, 7),
+                       dspark_markov_rank=8, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
+    model = DeepseekV41(cfg, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        name = ".".join(map(str, path))
+        if name.endswith(("sinks", "e_score_correction_bias", "bias_vl", "hc.base", "norm.weight")):
+            var.set_value(jnp.asarray(rng.normal(1.0 if name.endswith("norm.weight") else 0.0, 0.5,
+                                                 var.get_value().shape), jnp.float32))
+    return model
+
+
+_extend = jax.jit(lambda m, tokens, cache, start, n: m.extend(tokens, cache, start, n))
+_extend_recorded = jax.jit(lambda m, tokens, cache, start, n: (lambda r: (*m.extend(tokens, cache, start, n, record=r),
+                                                                          r))({}))
+_step = jax.jit(speculative.speculative_step)
+_propose = jax.jit(speculative.propose)
+_context = jax.jit(speculative.write_context)
+
+
+def _prefill(model, prompts, max_len, chunk=8):
+    """The prompts through the cache in chunks (their DSpark context keys written); the greedy first token."""
+    b = len(prompts)
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    cache = init_cache(model, b, max_len)
+    rings = speculative.new_rings(model, b)
+    last = np.zeros((b, model.cfg.vocab_size), np.float32)
+    for start in range(0, max(map(len, prompts)), chunk):
+        ids = np.zeros((b, chunk), np.int32)
+        for r, p in enumerate(prompts):
+            ids[r, :max(0, min(chunk, len(p) - start))] = p[start:start + chunk]
+        n = jnp.clip(lengths - start, 0, chunk)
+        hidden, cache, record = _extend_recorded(model, jnp.asarray(ids), cache, jnp.full((b,), start, jnp.int32), n)
+        rings = _context(model, rings, record["features"], jnp.full((b,), start, jnp.int32), n)
+        logits = np.asarray(model.logits(hidden))
+        for r, p in enumerate(prompts):
+            if start <= len(p) - 1 < start + chunk:
+                last[r] = logits[r, len(p) - 1 - start]
+    return cache, rings, jnp.asarray(last.argmax(-1), jnp.int32)
+
+
+def _greedy_plain(model, prompts, steps, max_len):
+    cache, _, token = _prefill(model, prompts, max_len)
+    out = [token]
+    for _ in range(steps - 1):
+        hidden, cache = _extend(model, token[:, None], cache, cache.lengths, jnp.ones_like(token))
+        token = jnp.argmax(model.logits(hidden)[:, 0], -1).astype(jnp.int32)
+        out.append(token)
+    return np.stack([np.asarray(t) for t in out], 1)
+
+
+def _greedy_speculative(model, prompts, steps, max_len, oracle=None, seed=0):
+    """Greedy decoding by DSpark drafts and verification; with `oracle` (the right tokens `[B, steps]`), the drafts
+    are replaced before each step by the right ones with random corruptions, so that every count of kept drafts
+    happens. Returns the tokens and the counts of kept drafts seen."""
+    b = len(prompts)
+    params = SamplingArrays.of([SamplingParams(temperature=0.0)] * b, [0] * b)
+    cache, rings, token = _prefill(model, prompts, max_len)
+    state = speculative.DraftState(rings, token, _propose(model, rings, token, cache.lengths, params))
+    k = model.cfg.dspark_block_size
+    out = [[int(t)] for t in np.asarray(token)]
+    kept_seen, rng = [], np.random.default_rng(seed)
+    while min(map(len, out)) < steps:
+        if oracle is not None:
+            drafts = np.zeros((b, k), np.int64)
+            for r in range(b):
+                right = oracle[r, len(out[r]):len(out[r]) + k]
+                right = np.pad(right, (0, k - len(right)))
+                wrong = rng.random(k) < 0.25
+                drafts[r] = np.where(wrong, (right + 1 + rng.integers(0, 200, k)) % model.cfg.vocab_size, right)
+            state = dataclasses.replace(state, drafts=speculative.Drafts(
+                jnp.asarray(drafts, jnp.int32), jax.nn.one_hot(drafts, model.cfg.vocab_size), state.drafts.confidence))
+        n_draft = jnp.asarray(rng.integers(0, k + 1, b) if oracle is not None else np.full(b, k), jnp.int32)
+        cache, state, emitted, n = _step(model, cache, state, params, n_draft)
+        for r in range(b):
+            out[r] += np.asarray(emitted[r, :int(n[r])]).tolist()
+            kept_seen.append(int(n[r]) - 1)
+    return np.asarray([o[:steps] for o in out]), kept_seen
+
+
+@pytest.fixture(scope="module")
+def drafting():
+    model = _drafting_model(0)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 250, 11).tolist(), rng.integers(3, 250, 14).tolist()]
+    return model, prompts
+
+
+def test_greedy_with_dspark_gives_the_tokens_of_greedy_without(drafting):
+    """Random weights: DSpark's drafts are mostly rejected, each step taking the cache back to one token."""
+    model, prompts = drafting
+    steps, max_len = 24, 48
+    want = _greedy_plain(model, prompts, steps, max_len)
+    got, _ = _greedy_speculative(model, prompts, steps, max_len)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_greedy_with_drafts_often_right_gives_the_same_tokens(drafting):
+    """Drafts that are the right tokens but for random corruptions, and random draft counts a step (0 … k): every
+    count of kept drafts happens, and the tokens are still those of plain greedy decoding."""
+    model, prompts = drafting
+    steps, max_len = 24, 64
+    want = _greedy_plain(model, prompts, steps + 8, max_len)
+    got, kept = _greedy_speculative(model, prompts, steps, max_len, oracle=want)
+    np.testing.assert_array_equal(got, want[:, :steps])
+    assert set(kept) >= {0, 1, 2, 3}, sorted(set(kept))
