@@ -31,8 +31,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-import traceback
 
 import numpy as np
 import torch
@@ -47,7 +45,6 @@ from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import (  
 )
 from safetensors.torch import save_file  # noqa: E402
 
-STARTED = time.time()
 VARIANTS = ("identity", "quantized")
 DSPARK_BACKEND = dict(v41.CPU_BACKEND, enable_hf_state_dict_adapter=True)
 
@@ -177,26 +174,5 @@ def run_case(case: dict, out_dir: str) -> None:
           file=sys.stderr)
 
 
-def main() -> None:
-    if len(sys.argv) != 3:
-        sys.exit("usage: python run_v41_dspark_reference.py SPEC.json OUT_DIR")
-    spec_path, out_dir = sys.argv[1], sys.argv[2]
-    try:
-        with open(spec_path) as f:
-            spec = json.load(f)
-        os.makedirs(out_dir, exist_ok=True)
-        done = os.path.join(out_dir, "done")
-        if os.path.exists(done):
-            os.remove(done)
-        v41.install_stable_topk()
-        for case in spec["cases"]:
-            run_case(case, out_dir)
-    except Exception as exc:  # noqa: BLE001
-        traceback.print_exc()
-        sys.exit(f"run_v41_dspark_reference.py failed: {type(exc).__name__}: {exc}")
-    with open(done, "w") as f:
-        f.write(f"ok in {time.time() - STARTED:.1f} s\n")
-
-
 if __name__ == "__main__":
-    main()
+    v41.run_harness("run_v41_dspark_reference.py", lambda spec, out_dir: [run_case(c, out_dir) for c in spec["cases"]])

@@ -858,9 +858,11 @@ def summary(folder: str, case: dict) -> str:
     return "; ".join(parts)
 
 
-def main() -> None:
+def run_harness(name: str, run) -> None:
+    """A harness's command line, `python NAME SPEC.json OUT_DIR`: `run(spec, out_dir)` with the stable top-k in
+    place; OUT_DIR/done written only when it succeeded, any failure a nonzero exit naming it."""
     if len(sys.argv) != 3:
-        sys.exit("usage: python run_v41_reference.py SPEC.json OUT_DIR")
+        sys.exit(f"usage: python {name} SPEC.json OUT_DIR")
     spec_path, out_dir = sys.argv[1], sys.argv[2]
     try:
         with open(spec_path) as f:
@@ -870,15 +872,19 @@ def main() -> None:
         if os.path.exists(done):
             os.remove(done)
         install_stable_topk()
-        for case in spec["cases"]:
-            run_case(case, out_dir)
-        write_quant_cases(spec, out_dir)
+        run(spec, out_dir)
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
-        sys.exit(f"run_v41_reference.py failed: {type(exc).__name__}: {exc}")
+        sys.exit(f"{name} failed: {type(exc).__name__}: {exc}")
     with open(done, "w") as f:
         f.write(f"ok in {time.time() - STARTED:.1f} s\n")
 
 
+def run_all(spec: dict, out_dir: str) -> None:
+    for case in spec["cases"]:
+        run_case(case, out_dir)
+    write_quant_cases(spec, out_dir)
+
+
 if __name__ == "__main__":
-    main()
+    run_harness("run_v41_reference.py", run_all)
