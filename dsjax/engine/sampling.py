@@ -145,19 +145,23 @@ def _no_top_logprobs(logp_bv: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.zeros(shape, logp_bv.dtype), jnp.zeros(shape, jnp.int32)
 
 
-def _gumbel_bv(params: SamplingArrays, positions_b: jax.Array, vocab: int) -> jax.Array:
-    """Per-row Gumbel noise, one draw per token id, keyed by the row's seed and position."""
-    def gumbel(seed, pos):
-        key = jax.random.fold_in(jax.random.key(seed), pos)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)
+def noise_key(seed: jax.Array, position: jax.Array, stream: int | None = None) -> jax.Array:
+    """The key of a request's random draws for the token at `position`: `fold_in(key(seed), position)`, the
+    sampler's own; other streams (speculative decoding's) fold in their tag after it."""
+    key = jax.random.fold_in(jax.random.key(seed), position)
+    return key if stream is None else jax.random.fold_in(key, stream)
 
-    return jax.vmap(gumbel)(params.seed, positions_b)
+
+def gumbel_noise(seed_b: jax.Array, positions_b: jax.Array, vocab: int, stream: int | None = None) -> jax.Array:
+    """Per-row Gumbel noise `[B, vocab]`, one draw per token id, keyed by the row's seed, position and stream."""
+    return jax.vmap(lambda s, p: jax.random.gumbel(noise_key(s, p, stream), (vocab,), jnp.float32))(
+        seed_b, positions_b)
 
 
 def _sample_plain(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> jax.Array:
     """Temperature sampling without top-k/top-p: the Gumbel-max trick on the unsorted logits."""
     temp_b = jnp.maximum(params.temperature, 1e-6)[:, None]
-    noise_bv = _gumbel_bv(params, positions_b, logits_bv.shape[-1])
+    noise_bv = gumbel_noise(params.seed, positions_b, logits_bv.shape[-1])
     return jnp.argmax(logits_bv / temp_b + noise_bv, axis=-1).astype(jnp.int32)
 
 
@@ -183,17 +187,24 @@ def _sample_filtered(logits_bv: jax.Array, params: SamplingArrays, positions_b: 
     """Temperature sampling with each row's top-k and top-p cuts, over the sorted vocabulary."""
     scaled, sorted_ids = _filtered_sorted(logits_bv.astype(jnp.float32), params)
     # Each token id owns its noise draw, so a request's choice depends only on its own logits.
-    noise_sorted = jnp.take_along_axis(_gumbel_bv(params, positions_b, logits_bv.shape[-1]), sorted_ids, axis=-1)
+    noise_sorted = jnp.take_along_axis(gumbel_noise(params.seed, positions_b, logits_bv.shape[-1]), sorted_ids,
+                                       axis=-1)
     picked_rank = jnp.argmax(scaled + noise_sorted, axis=-1)
     return jnp.take_along_axis(sorted_ids, picked_rank[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 def distribution(logits_bv: jax.Array, params: SamplingArrays) -> jax.Array:
     """`[B,V]` fp32: the distribution `sample` draws each row's token from (temperature, then the top-k and top-p
-    cuts; one-hot on the most likely token for greedy rows), in vocabulary order."""
+    cuts; one-hot on the most likely token for greedy rows), in vocabulary order. As in `sample`, the vocabulary is
+    sorted only where the batch's modes filter, and nothing but the argmax is computed where no row samples."""
     logits_bv = logits_bv.astype(jnp.float32)
-    scaled, sorted_ids = _filtered_sorted(logits_bv, params)
-    b = jnp.arange(logits_bv.shape[0])[:, None]
-    probs = jnp.zeros_like(logits_bv).at[b, sorted_ids].set(jax.nn.softmax(scaled, axis=-1))
     greedy = jax.nn.one_hot(jnp.argmax(logits_bv, axis=-1), logits_bv.shape[-1], dtype=jnp.float32)
+    if not params.modes.random:
+        return greedy
+    if params.modes.filtered:
+        scaled, sorted_ids = _filtered_sorted(logits_bv, params)
+        b = jnp.arange(logits_bv.shape[0])[:, None]
+        probs = jnp.zeros_like(logits_bv).at[b, sorted_ids].set(jax.nn.softmax(scaled, axis=-1))
+    else:
+        probs = jax.nn.softmax(logits_bv / jnp.maximum(params.temperature, 1e-6)[:, None], axis=-1)
     return jnp.where((params.temperature == 0)[:, None], greedy, probs)

@@ -13,7 +13,7 @@ empty only where q = p, where a rejection cannot happen (q_i(d)/p_i(d) = 1 every
 happen, the token is drawn from q itself.
 
 Randomness per request and position: the drafts, the acceptance draws and the sampler's own noise (which draws the
-corrected and bonus tokens, `sampling._gumbel_bv`) are separate streams of `fold_in(key(seed), position)`, so a
+corrected and bonus tokens; `sampling.noise_key`) are separate streams of `fold_in(key(seed), position)`, so a
 request's output depends on its seed alone, whatever else shares the batch.
 """
 
@@ -25,23 +25,17 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.cache import ring_positions, write_window
-from dsjax.engine.sampling import SamplingArrays, distribution
+from dsjax.engine.sampling import SamplingArrays, distribution, gumbel_noise, noise_key
 from dsjax.layers import dspark
 
 DRAFT_STREAM = 1  # fold_in tags after the position: the draft tokens' noise,
 ACCEPT_STREAM = 2  # and the uniforms that accept drafts
 
 
-def _key(seed: jax.Array, position: jax.Array, stream: int | None) -> jax.Array:
-    key = jax.random.fold_in(jax.random.key(seed), position)
-    return key if stream is None else jax.random.fold_in(key, stream)
-
-
 def draw(probs_bv: jax.Array, seed_b: jax.Array, position_b: jax.Array, stream: int | None = None) -> jax.Array:
     """One token per row from `probs_bv` (Gumbel-max on its logarithm: a one-hot row gives its token), the noise
     keyed by the row's seed, position and stream (None: the sampler's own noise at that position)."""
-    noise = jax.vmap(lambda s, p: jax.random.gumbel(_key(s, p, stream), probs_bv.shape[-1:], jnp.float32))(
-        seed_b, position_b)
+    noise = gumbel_noise(seed_b, position_b, probs_bv.shape[-1], stream)
     return jnp.argmax(jnp.log(probs_bv) + noise, axis=-1).astype(jnp.int32)
 
 
@@ -96,7 +90,7 @@ def verify(target_logits_bjv: jax.Array, drafts_bk: jax.Array, draft_probs_bkv: 
     q_d = jnp.take_along_axis(q_bjv[:, :k], drafts_bk[..., None], axis=-1)[..., 0]
     p_d = jnp.take_along_axis(draft_probs_bkv, drafts_bk[..., None], axis=-1)[..., 0]
     offsets = jnp.arange(k)
-    u_bk = jax.vmap(lambda s, p: jax.vmap(lambda i: jax.random.uniform(_key(s, p + i, ACCEPT_STREAM)))(offsets))(
+    u_bk = jax.vmap(lambda s, p: jax.vmap(lambda i: jax.random.uniform(noise_key(s, p + i, ACCEPT_STREAM)))(offsets))(
         params.seed, position_b)
     keep_bk = (u_bk * p_d < q_d) & (offsets[None] < n_draft_b[:, None])
     accepted = jnp.sum(jnp.cumprod(keep_bk, axis=1), axis=1).astype(jnp.int32)
@@ -115,7 +109,6 @@ def block_inputs(model, first_b: jax.Array) -> jax.Array:
     cfg = model.cfg
     tokens = jnp.full((first_b.shape[0], cfg.dspark_block_size), cfg.dspark_noise_token_id, jnp.int32)
     return model.embed_tokens(tokens.at[:, 0].set(first_b))
-
 
 
 @jax.tree_util.register_dataclass
