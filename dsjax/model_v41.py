@@ -103,7 +103,7 @@ class DeepseekV41(nnx.Module):
 
     def extend(self, tokens_bc: jax.Array, cache: Cache, start_b: jax.Array, n_valid_b: jax.Array,
                spliced: tuple[jax.Array, jax.Array] | None = None, decoder: bool = True,
-               floor_b: jax.Array | None = None, record: dict | None = None):
+               floor_b: jax.Array | None = None, record: dict | None = None, rewindable: bool = True):
         """Run C new tokens per slot through the cache (`dsjax.cache.init_cache`): row b's tokens sit at
         positions start[b] …, the first n_valid[b] real (0 leaves the slot untouched). Returns the final
         hidden states `[B,C,H]` and the cache with those tokens added. `spliced` = (embeds, mask) replaces
@@ -116,7 +116,8 @@ class DeepseekV41(nnx.Module):
         the last position exactly the logits, of running every layer on every token. `floor_b` hides the
         decoder windows' positions below it (DeepInfer's approximate bounded replay). `record`, if given (a dict),
         receives what `rewind` needs to take back the chunk's later tokens (speculative decoding's rejected ones)
-        and, for a model with DSpark stages, the chunk's target `features` `[B,C,len(target layers)·H]`."""
+        and, for a model with DSpark stages, the chunk's target `features` `[B,C,len(target layers)·H]`; with
+        `rewindable` False it receives the features only (a prefill chunk, which may be longer than the window)."""
         cfg = self.cfg
         b, c = tokens_bc.shape
         x = self.embed_tokens(tokens_bc)
@@ -127,7 +128,7 @@ class DeepseekV41(nnx.Module):
         rows, history = None, cache.history
         if history is not None:  # a row starting a sequence has no earlier tokens, whatever its slot held before
             history = jnp.where(((start_b == 0) & (n_valid_b > 0))[:, None], -1, history)
-        if record is not None:
+        if record is not None and rewindable:
             record.update(history=history, image=image_bc, layers=[])
         targets = self.cfg.dspark_target_layer_ids if self.mtp is not None else ()
         streams = []
@@ -147,17 +148,15 @@ class DeepseekV41(nnx.Module):
                 if i == first_dec and layer.role.mode == "full":
                     one = layer.write_source(h, pre, start_b, n_valid_b, one)
                 groups.append((jax.tree.map(lambda a: a[None], one),))
-                if record is not None:
+                if record is not None and rewindable:
                     record["layers"].append({})  # an encoder-only chunk is never taken back
                 continue
             layer_rows = None if layer.role.engram is None else rows[:, :, layer.role.engram]
-            undo = None if record is None else {}
+            undo = {} if record is not None and rewindable else None
             h, pre, shared, one = layer.extend(h, pre, start_b, n_valid_b, image_bc, layer_rows, shared, one,
-                                               floor_b if i >= first_dec else None, undo)
-            if record is not None:
-                attn_streams = undo.pop("attn_streams")
-                if i in targets:
-                    streams.append(attn_streams)
+                                               floor_b if i >= first_dec else None, undo,
+                                               streams if record is not None and i in targets else None)
+            if undo is not None:
                 record["layers"].append(undo)
             groups.append((jax.tree.map(lambda a: a[None], one),))
         hidden = self.norm(collapse(pre, h)) if decoder else None

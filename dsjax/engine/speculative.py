@@ -25,11 +25,22 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.cache import ring_positions, write_window
-from dsjax.engine.sampling import SamplingArrays, distribution, gumbel_noise, noise_key
+from dsjax.engine.sampling import Sampled, SamplingArrays, distribution, gumbel_noise, noise_key, report
 from dsjax.layers import dspark
 
 DRAFT_STREAM = 1  # fold_in tags after the position: the draft tokens' noise,
 ACCEPT_STREAM = 2  # and the uniforms that accept drafts
+
+
+def check_drafting(cfg, drafts: int | None) -> None:
+    """Raise ValueError unless a model of `cfg` drafts with DSpark (a DeepSeek-V4.1 config with draft stages) and
+    `drafts` (None: any) is within its block."""
+    if getattr(cfg, "family", "v4") != "v4.1" or not cfg.num_nextn_predict_layers:
+        raise ValueError("--speculative dspark needs a model with DSpark draft stages (a DeepSeek-V4.1 checkpoint "
+                         "whose config has num_nextn_predict_layers > 0 and whose weights hold mtp.*); this one has "
+                         "none")
+    if drafts is not None and drafts > cfg.dspark_block_size:
+        raise ValueError(f"--drafts {drafts}: this model's DSpark drafts at most {cfg.dspark_block_size} tokens a step")
 
 
 def draw(probs_bv: jax.Array, seed_b: jax.Array, position_b: jax.Array, stream: int | None = None) -> jax.Array:
@@ -114,19 +125,27 @@ def block_inputs(model, first_b: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DraftState:
-    """A slot's drafting state between target steps: each stage's context keys in a ring (slot = position % window,
+    """The slots' drafting state between target steps: each stage's context keys in a ring (slot = position % window,
     as the target's window rings), the last emitted token (at position `cache.lengths`, not yet in the target's
-    cache) and the drafts proposed after it."""
+    cache), the drafts proposed after it, and the tokens each slot may still emit (0: none; the scheduler sets it
+    when a slot starts, from the request's max_tokens and the cache's max_len), which bounds the drafts a step
+    verifies."""
 
     rings: tuple  # per stage [B, W, D]
     token: jax.Array  # [B] i32
     drafts: Drafts
+    budget: jax.Array  # [B] i32
 
 
-def new_rings(model, num_slots: int) -> tuple:
-    """Empty context-key rings, one per DSpark stage."""
+def new_state(model, num_slots: int) -> DraftState:
+    """The drafting state of `num_slots` empty slots."""
     cfg = model.cfg
-    return tuple(jnp.zeros((num_slots, cfg.sliding_window, cfg.head_dim), model.dtype) for _ in model.mtp)
+    k, v = cfg.dspark_block_size, cfg.vocab_size
+    rings = tuple(jnp.zeros((num_slots, cfg.sliding_window, cfg.head_dim), model.dtype) for _ in model.mtp)
+    zeros = jnp.zeros((num_slots,), jnp.int32)
+    drafts = Drafts(jnp.zeros((num_slots, k), jnp.int32), jnp.zeros((num_slots, k, v), jnp.float32),
+                    jnp.zeros((num_slots, k), jnp.float32))
+    return DraftState(rings, zeros, drafts, zeros)
 
 
 def write_context(model, rings: tuple, features_bcf: jax.Array, start_b: jax.Array, n_b: jax.Array) -> tuple:
@@ -149,22 +168,81 @@ def propose(model, rings: tuple, token_b: jax.Array, position_b: jax.Array, para
     return draft_tokens(model, state, token_b, params, position_b)
 
 
+def block_tokens(state: DraftState, width: int) -> jax.Array:
+    """`[B, width]`: what a step of this width feeds the target, each row's emitted token then its first drafts."""
+    return jnp.concatenate([state.token[:, None], state.drafts.tokens[:, :width - 1]], axis=1)
+
+
+def rows_fed(state: DraftState, active_b: jax.Array, width: int) -> jax.Array:
+    """`[B]`: the positions each row feeds the target in a step of this width: its token and as many drafts as the
+    width and its budget allow (a row emits at most one token more than it verifies drafts); 0 for rows not
+    active or with nothing left to emit."""
+    live = active_b & (state.budget > 0)
+    return jnp.where(live, 1 + jnp.clip(jnp.minimum(width - 1, state.budget - 1), 0), 0).astype(jnp.int32)
+
+
+def target_pass(model, cache, tokens_bw: jax.Array, n_valid_b: jax.Array):
+    """The target over each row's block: `(cache, record, logits [B, w, V])`, the record what `take_back` needs."""
+    record: dict = {}
+    hidden, cache = model.extend(tokens_bw, cache, cache.lengths, n_valid_b, record=record)
+    return cache, record, model.logits(hidden)
+
+
+def emitted_tokens(drafts_bk: jax.Array, verified: Verified, width: int) -> jax.Array:
+    """`[B, width]`: the kept drafts, then the target's token after them (what lies past it means nothing)."""
+    out = jnp.concatenate([drafts_bk[:, :width - 1], jnp.zeros_like(verified.token)[:, None]], axis=1)
+    return jnp.where(jnp.arange(width)[None, :] == verified.accepted[:, None], verified.token[:, None], out)
+
+
+def take_back(model, cache, record: dict, rings: tuple, tokens_bw: jax.Array, start_b: jax.Array,
+              n_valid_b: jax.Array, n_kept_b: jax.Array):
+    """After a target pass over n_valid positions per row from `start_b`: the cache taken back to the first n_kept
+    (`DeepseekV41.rewind`) and the kept positions' context keys written to the rings. Returns `(cache, rings)`."""
+    cache = model.rewind(cache, record, tokens_bw, start_b, n_valid_b, n_kept_b)
+    return cache, write_context(model, rings, record["features"], start_b, n_kept_b)
+
+
 def speculative_step(model, cache, state: DraftState, params: SamplingArrays, n_draft_b: jax.Array):
     """One target step over each row's emitted token and its first `n_draft` drafts: verified, the cache taken
     back past the rejected ones, the context keys of the kept tokens written and the next drafts proposed. Returns
-    `(cache, state, emitted [B, k+1], n_emitted [B])`: the kept drafts then the target's token after them."""
+    `(cache, state, emitted [B, k+1], n_emitted [B])`: the kept drafts then the target's token after them. (The
+    engine runs the same parts as separate programs, `engine.steps`; this ignores the state's budget.)"""
     start = cache.lengths
     k = state.drafts.tokens.shape[1]
-    tokens = jnp.concatenate([state.token[:, None], state.drafts.tokens], axis=1)
+    tokens = block_tokens(state, k + 1)
     n_valid = 1 + n_draft_b
-    record: dict = {}
-    hidden, cache = model.extend(tokens, cache, start, n_valid, record=record)
-    verified = verify(model.logits(hidden), state.drafts.tokens, state.drafts.probs, n_draft_b, params, start + 1)
+    cache, record, logits = target_pass(model, cache, tokens, n_valid)
+    verified = verify(logits, state.drafts.tokens, state.drafts.probs, n_draft_b, params, start + 1)
     n_kept = 1 + verified.accepted
-    cache = model.rewind(cache, record, tokens, start, n_valid, n_kept)
-    rings = write_context(model, state.rings, record["features"], start, n_kept)
-    position = start + n_kept  # of the target's new token
-    drafts = propose(model, rings, verified.token, position, params)
-    emitted = jnp.concatenate([state.drafts.tokens, jnp.zeros_like(state.token)[:, None]], axis=1)
-    emitted = jnp.where(jnp.arange(k + 1)[None, :] == verified.accepted[:, None], verified.token[:, None], emitted)
-    return cache, DraftState(rings, verified.token, drafts), emitted, n_kept
+    cache, rings = take_back(model, cache, record, state.rings, tokens, start, n_valid, n_kept)
+    drafts = propose(model, rings, verified.token, start + n_kept, params)
+    return (cache, DraftState(rings, verified.token, drafts, state.budget - n_kept),
+            emitted_tokens(state.drafts.tokens, verified, k + 1), n_kept)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Verdict:
+    """A verification step's result for the host and the next step."""
+
+    rows: Sampled  # [B, w] each ([B, w, top] the alternatives): the tokens at positions start + 1 …, as the sampler's
+    count: jax.Array  # [B] i32: how many of them the row emits (0: it did not run)
+    verified: jax.Array  # [B] i32: the drafts it verified
+    token: jax.Array  # [B] i32: its last emitted token (the state's, for a row that did not run)
+    budget: jax.Array  # [B] i32: what it may still emit
+
+
+def verdict(logits_bwv: jax.Array, state: DraftState, start_b: jax.Array, n_valid_b: jax.Array,
+            params: SamplingArrays) -> Verdict:
+    """`verify` of a target pass over `n_valid_b` positions per row (`rows_fed`), the first at `start_b`: the
+    emitted tokens with their log-probabilities under the target (`sampling.report`)."""
+    b, w, v = logits_bwv.shape
+    n_draft = jnp.maximum(n_valid_b - 1, 0)
+    verified = verify(logits_bwv, state.drafts.tokens[:, :w - 1], state.drafts.probs[:, :w - 1], n_draft, params,
+                      start_b + 1)
+    ran = n_valid_b > 0
+    count = jnp.where(ran, 1 + verified.accepted, 0).astype(jnp.int32)
+    tokens_bw = emitted_tokens(state.drafts.tokens, verified, w)
+    rows = report(jax.nn.log_softmax(logits_bwv.reshape(b * w, v), axis=-1), tokens_bw.reshape(b * w), params.modes)
+    rows = jax.tree.map(lambda x: x.reshape(b, w, *x.shape[1:]), rows)
+    return Verdict(rows, count, n_draft, jnp.where(ran, verified.token, state.token), state.budget - count)

@@ -62,13 +62,14 @@ class SinglePassBlock(nnx.Module):
 
     def extend(self, h_bcnh: jax.Array, pre_bcn: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
                image_bc: jax.Array, engram_rows_bck: jax.Array | None, shared: Shared, cache: LayerCache,
-               floor_b: jax.Array | None = None, undo: dict | None = None):
+               floor_b: jax.Array | None = None, undo: dict | None = None, streams: list | None = None):
         """The cached form for a chunk of C tokens per row: `(streams, pre, shared, layer cache)`; `floor_b` and
-        `undo` as in `CSA2Attention.extend`."""
+        `undo` as in `CSA2Attention.extend`. `streams`, if given, receives the streams the attention's mixes read
+        (after the Engram update): DSpark's target features where this is a target layer."""
         if self.engram is not None:
             h_bcnh = self.engram(h_bcnh, engram_rows_bck, ~image_bc)
-        if undo is not None:
-            undo["attn_streams"] = h_bcnh  # DSpark's target features (the model keeps its target layers')
+        if streams is not None:
+            streams.append(h_bcnh)
         pre_a, post_a, comb_a = self.attn_hc.mixes(h_bcnh)
         with jax.named_scope("attention"):
             a_bch, shared, cache = self.attn.extend(self.attn_norm(collapse(pre_bcn, h_bcnh)), start_b, n_valid_b,

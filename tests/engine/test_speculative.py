@@ -179,7 +179,7 @@ def _prefill(model, prompts, max_len, chunk=8):
     b = len(prompts)
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     cache = init_cache(model, b, max_len)
-    rings = speculative.new_rings(model, b)
+    rings = speculative.new_state(model, b).rings
     last = np.zeros((b, model.cfg.vocab_size), np.float32)
     for start in range(0, max(map(len, prompts)), chunk):
         ids = np.zeros((b, chunk), np.int32)
@@ -212,7 +212,8 @@ def _greedy_speculative(model, prompts, steps, max_len, oracle=None, seed=0):
     b = len(prompts)
     params = SamplingArrays.of([SamplingParams(temperature=0.0)] * b, [0] * b)
     cache, rings, token = _prefill(model, prompts, max_len)
-    state = speculative.DraftState(rings, token, _propose(model, rings, token, cache.lengths, params))
+    state = speculative.DraftState(rings, token, _propose(model, rings, token, cache.lengths, params),
+                                   jnp.full((b,), 10 ** 6, jnp.int32))
     k = model.cfg.dspark_block_size
     out = [[int(t)] for t in np.asarray(token)]
     kept_seen, rng = [], np.random.default_rng(seed)
