@@ -26,6 +26,9 @@ KERNELS = ("auto", "reference", "interpret")
 # positions whose windows reach the prompt's end (bit for bit as "full", which runs every layer on every
 # token); "replay" is DeepInfer's approximate bounded replay (the last 140 positions, windows cut there).
 DECODER_PREFILL = ("exact", "full", "replay")
+# Speculative decoding: "dspark" drafts with the model's DSpark stages (DeepSeek-V4.1) and verifies the drafts in
+# the target's step; the tokens are those the target alone gives (greedy) or distributed as its samples.
+SPECULATIVE = ("off", "dspark")
 RENAMED_WEIGHTS = {"fp8": "keep"}  # plan, bench and export's spelling until 0.2 (the CLI says so too)
 
 
@@ -67,8 +70,9 @@ def check_choice(name: str, value, choices: tuple, *, none: str | None = None) -
 class RunConfig:
     """Run options: `slots` sequences in flight, each of up to `max_len` tokens, prompts prefilled
     `chunk_size` tokens at a time; float weights and activations in `dtype`; the cache's K=V rows in
-    `kv_dtype` (None: `dtype`); `weights`, `kernels` and `decoder_prefill` as the tuples above say; `mesh` a
-    spec such as "dp=2,ep=4" (None: one device)."""
+    `kv_dtype` (None: `dtype`); `weights`, `kernels`, `decoder_prefill` and `speculative` as the tuples above say;
+    `drafts` the drafts a speculative step verifies per request (None: chosen each step from the drafter's
+    confidence and the measured step times); `mesh` a spec such as "dp=2,ep=4" (None: one device)."""
 
     slots: int = 8
     max_len: int = 4096
@@ -79,6 +83,8 @@ class RunConfig:
     kernels: str = "auto"
     mesh: str | None = None
     decoder_prefill: str = "exact"
+    speculative: str = "off"
+    drafts: int | None = None
 
     def __post_init__(self):
         for name, least in (("slots", 1), ("max_len", 2), ("chunk_size", 1)):
@@ -91,8 +97,14 @@ class RunConfig:
                           DeprecationWarning, stacklevel=3)
             object.__setattr__(self, "weights", RENAMED_WEIGHTS[self.weights])
         for name, choices in (("dtype", DTYPES), ("weights", WEIGHTS), ("kernels", KERNELS),
-                              ("decoder_prefill", DECODER_PREFILL)):
+                              ("decoder_prefill", DECODER_PREFILL), ("speculative", SPECULATIVE)):
             check_choice(name, getattr(self, name), choices)
+        if self.drafts is not None:
+            if isinstance(self.drafts, bool) or not isinstance(self.drafts, int) or self.drafts < 0:
+                raise RunConfigError(f"drafts must be an integer of at least 0 (or None: chosen each step), "
+                                     f"got {self.drafts!r}")
+            if self.speculative == "off":
+                raise RunConfigError(f"drafts={self.drafts} needs speculative decoding (speculative='dspark')")
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, none="dtype")
         if self.mesh is not None:
             if not isinstance(self.mesh, str):

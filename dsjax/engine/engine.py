@@ -27,8 +27,9 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import Cache, init_cache
-from dsjax.engine import encoder, steps
+from dsjax.engine import encoder, speculative, steps
 from dsjax.engine.compiles import BACKGROUND_THREAD
+from dsjax.engine.draft_schedule import choose_width
 from dsjax.engine.programs import ProgramStore, compile_for_store, describe
 from dsjax.engine.sampling import SAMPLER_MODES, Sampled, SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.slots import prefill_buckets, prefill_rows
@@ -71,6 +72,8 @@ class Engine:
         self._static = steps.StaticGraph(self.graphdef)
         # The jitted steps with their statics bound, made once: `_call` falls back to them.
         self._decode_jit = functools.partial(steps.decode, self._static)
+        self._propose_jit = functools.partial(steps.spec_propose, self._static)
+        self._take_back_jit = functools.partial(steps.spec_take_back, self._static)
         self._prefill_jit = functools.partial(steps.prefill_chunk, self._static)
         self._encoder_jit = functools.partial(steps.prefill_encoder_chunk, self._static)
         # A causal encoder-decoder (V4.1) prefills its decoder on a prompt's last `_decoder_keep` positions.
@@ -84,6 +87,16 @@ class Engine:
         self.spliced_prefill = False
         self.encoder_chunks = 0  # prefill chunks that ran the encoder only (V4.1's exact truncation)
         self._no_splice: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows → zero embeddings and mask
+        # Speculative decoding (`run.speculative`): the widths (1 + drafts) a verification step may take, each a
+        # program of its own, and a step's seconds at each (`measure_widths`) from which `width_for` chooses.
+        self.drafting = run.speculative == "dspark"
+        self.widths: tuple[int, ...] = ()
+        if self.drafting:
+            speculative.check_drafting(self.cfg, run.drafts)
+            k = self.cfg.dspark_block_size
+            self.widths = tuple(range(1, k + 2)) if run.drafts is None else (run.drafts + 1,)
+        self._target_jits = {w: functools.partial(steps.spec_target, self._static, w) for w in self.widths}
+        self.width_seconds: np.ndarray | None = None
         # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
         # context once, so every step would be traced again by the next engine. Import it before.
         import tokamax  # noqa: F401
@@ -174,7 +187,9 @@ class Engine:
         """Programs compiled so far by the steps of every engine in this process. Engines of the same
         model structure and shapes share them, so this stays constant once a job has warmed up."""
         return sum(f._cache_size() for f in (steps.decode, steps.prefill_chunk, steps.prefill_encoder_chunk,
-                                             steps.sample_rows, encoder.encode_cells, steps.new_cache))
+                                             steps.sample_rows, encoder.encode_cells, steps.new_cache,
+                                             steps.spec_target, steps.spec_verify, steps.spec_take_back,
+                                             steps.spec_propose, steps.new_draft_state))
 
     def decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array,
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
@@ -207,8 +222,10 @@ class Engine:
 
     def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
                 sampling: SamplingArrays, pad_slots: Sequence[int] = (),
-                spliced: Sequence[Spliced | None] | None = None) -> tuple[Cache, Sampled]:
-        """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token.
+                spliced: Sequence[Spliced | None] | None = None, rings: tuple | None = None):
+        """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token:
+        `(cache, sampled)`, and DSpark's context rings (`speculative.DraftState.rings`) with the prompts' keys
+        written when `rings` are given (`drafting`).
 
         `sampling` has one row per cache slot, and so has the result: row `slots[i]` is prompt i's token
         (other rows mean nothing). `pad_slots` are extra distinct slots that ride along unchanged (to keep
@@ -251,12 +268,93 @@ class Engine:
             floor = None
             if self.run.decoder_prefill == "replay" and self._decoder_keep is not None:
                 (floor,) = self._put(np.where(is_prompt, lengths - self._decoder_keep, 0).astype(np.int32))
-            cache, logits_sv, positions_s = self._call(
-                ("prefill", n, chunk_spliced is not None) + (("replay",) if floor is not None else ()),
-                self._prefill_jit, self.params, cache, logits_sv, tokens, slot_ids, start, n_valid, ends_here,
-                chunk_spliced, floor)
-        return cache, self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
-                                 positions_s)
+            out = self._call(self._prefill_slot(n, chunk_spliced is not None, floor is not None, rings is not None),
+                             self._prefill_jit, self.params, cache, logits_sv, tokens, slot_ids, start, n_valid,
+                             ends_here, chunk_spliced, floor, rings)
+            cache, logits_sv, positions_s = out[:3]
+            rings = out[3] if rings is not None else None
+        sampled = self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
+                             positions_s)
+        return (cache, sampled) if rings is None else (cache, sampled, rings)
+
+    @staticmethod
+    def _prefill_slot(rows: int, spliced: bool, replay: bool, rings: bool) -> tuple:
+        """The program table's name for a prefill chunk of `rows` rows with these inputs."""
+        return ("prefill", rows, spliced) + (("replay",) if replay else ()) + (("rings",) if rings else ())
+
+    def new_draft_state(self) -> speculative.DraftState:
+        """The drafting state of empty slots (one compiled program)."""
+        return self._call(("new_draft_state",), functools.partial(steps.new_draft_state, self._static, self.num_slots),
+                          self.params)
+
+    def propose(self, state: speculative.DraftState, tokens, budget, positions,
+                sampling: SamplingArrays) -> speculative.DraftState:
+        """`state` with each slot's last token `tokens`, its `budget` of tokens still to emit, and the drafts after
+        the token at `positions` proposed (host arrays are placed as the steps' inputs)."""
+        tokens, budget, positions = (x if isinstance(x, jax.Array) else self._put(x)[0]
+                                     for x in (tokens, budget, positions))
+        sampling = self._place(dataclasses.replace(sampling, modes=_draft_modes(sampling.modes)))
+        return self._call(("spec_propose", sampling.modes), self._propose_jit, self.params, state.rings, tokens,
+                          budget, positions, sampling)
+
+    def speculate(self, cache: Cache, state: speculative.DraftState, active, sampling: SamplingArrays, width: int
+                  ) -> tuple[Cache, speculative.DraftState, speculative.Verdict]:
+        """One verification step of `width` positions per row (`speculative.rows_fed`): every active slot's token
+        and drafts through the target, verified with `sampling`, the cache taken back past the rejected ones, and
+        the next drafts proposed. Returns the cache, the drafting state and the step's `Verdict`."""
+        if width not in self.widths:
+            raise ValueError(f"width {width} is not one this engine verifies ({self.widths})")
+        (active,) = self._put(np.asarray(active, bool)) if not isinstance(active, jax.Array) else (active,)
+        cache, record, logits, start, n_valid = self._call(("spec_target", width), self._target_jits[width],
+                                                          self.params, cache, state, active)
+        placed = self._place(sampling)
+        verdict = self._call(("spec_verify", width, sampling.modes), steps.spec_verify, logits, state, start, n_valid,
+                             placed)
+        cache, rings, positions = self._call(("spec_take_back", width), self._take_back_jit, self.params, cache, record,
+                                             state, start, n_valid, verdict.count)
+        state = dataclasses.replace(state, rings=rings)
+        return cache, self.propose(state, verdict.token, verdict.budget, positions, sampling), verdict
+
+    def width_for(self, confidence_bk: np.ndarray, active_b: np.ndarray) -> int:
+        """The width of the next verification step: the fixed one (`run.drafts`), or the one with the most tokens
+        per second expected from the drafts' confidences and the measured step times (`draft_schedule`)."""
+        if len(self.widths) == 1:
+            return self.widths[0]
+        if self.width_seconds is None:
+            raise RuntimeError("the widths' step times are not measured: call measure_widths() first")
+        return choose_width(confidence_bk, active_b, self.width_seconds)
+
+    def measure_widths(self, repeats: int = 3) -> np.ndarray:
+        """Each width's verification step time in seconds (`width_seconds`, `[k + 1]`, inf for widths not
+        compiled), timed on a cache of its own once the programs are built, or read from the program store where
+        this engine's were measured before (the same key as its programs, so any change measures again). The
+        cache is freed before it returns."""
+        k = self.cfg.dspark_block_size
+        key = None
+        if self.programs is not None and jax.process_count() == 1:
+            key = self.programs.key(self._model_identity(), "width_seconds", self.widths, repr(jax.sharding.get_mesh()),
+                                    repeats)
+            stored = self.programs.load_value(key)
+            if stored is not None and len(stored) == k + 1:
+                self.width_seconds = np.asarray(stored, np.float64)
+                return self.width_seconds
+        seconds = np.full(k + 1, np.inf)
+        cache, state = self.new_cache(), self.new_draft_state()
+        sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * self.num_slots, [0] * self.num_slots)
+        active = np.ones(self.num_slots, bool)
+        for w in self.widths:
+            times = []
+            for i in range(repeats + 1):  # the first call warms up
+                t = time.perf_counter()
+                cache, state, verdict = self.speculate(cache, state, active, sampling, w)
+                jax.block_until_ready((cache, state, verdict))
+                times.append(time.perf_counter() - t)
+            seconds[w - 1] = float(np.median(times[1:]))
+        del cache, state
+        self.width_seconds = seconds
+        if key is not None:
+            self.programs.save_value(key, [float(x) for x in seconds])
+        return seconds
 
     def _encoder_only(self, first: int, n_valid: np.ndarray, lengths: np.ndarray) -> bool:
         """Whether a chunk of positions `first …` lies wholly before every one of its prompts' last
@@ -299,18 +397,25 @@ class Engine:
         positions = jax.ShapeDtypeStruct((self.num_slots,), jnp.int32, sharding=logits.sharding)
         n = self.num_slots
         # (slot, jitted function, its static arguments, the arguments its compiled form takes)
-        todo = [(("new_cache",), steps.new_cache, self._cache_statics(), (self.params,)),
-                (("decode",), steps.decode, (self._static,),
-                 (self.params, cache, *self._put(np.zeros(n, np.int32), np.zeros(n, bool))))]
+        todo = [(("new_cache",), steps.new_cache, self._cache_statics(), (self.params,))]
+        state = None
+        if self.drafting:
+            state = self._abstract(jax.eval_shape(functools.partial(steps.new_draft_state, self._static, n), self.params))
+            todo += [(("new_draft_state",), steps.new_draft_state, (self._static, n), (self.params,))]
+            todo += self._speculative_programs(cache, state, modes)
+        else:
+            todo += [(("decode",), steps.decode, (self._static,),
+                      (self.params, cache, *self._put(np.zeros(n, np.int32), np.zeros(n, bool))))]
 
         def prefill(rows):
             spliced = self._no_splice_for(rows) if self.spliced_prefill else None
             floor = None
             if self._decoder_keep is not None and self.run.decoder_prefill == "replay":
                 floor = self._put(np.zeros(rows, np.int32))[0]
-            return (("prefill", rows, spliced is not None) + (("replay",) if floor is not None else ()),
+            rings = None if state is None else state.rings
+            return (self._prefill_slot(rows, spliced is not None, floor is not None, rings is not None),
                     steps.prefill_chunk, (self._static,),
-                    (self.params, cache, logits, *self._prefill_inputs(rows), spliced, floor))
+                    (self.params, cache, logits, *self._prefill_inputs(rows), spliced, floor, rings))
 
         def prefill_encoder(rows):
             spliced = self._no_splice_for(rows) if self.spliced_prefill else None
@@ -345,6 +450,34 @@ class Engine:
                                                name=BACKGROUND_THREAD)
             self.background.start()
         return len(todo) + sum(len(programs) for programs in per_bucket)
+
+    def _abstract(self, tree):
+        """`jax.ShapeDtypeStruct`s of `tree`'s shapes, placed as the steps' host inputs are (`_placed`)."""
+        placed = self._placed(jax.sharding.PartitionSpec())
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), tree)
+
+    def _speculative_programs(self, cache, state, modes: Sequence[SamplingModes]) -> list[tuple]:
+        """`precompile`'s entries for speculative decoding: per width the target pass, the verification (per sampler
+        mix of `modes`) and the take-back; the proposal per mix of the drafts' sampling."""
+        n = self.num_slots
+        (active,) = self._put(np.zeros(n, bool))
+        todo = []
+        sampling = {m: dataclasses.replace(self._place(SamplingArrays.of([SamplingParams()] * n, [0] * n)), modes=m)
+                    for m in {*modes, *map(_draft_modes, modes)}}
+        for w in self.widths:
+            target = functools.partial(steps.spec_target, self._static, w)
+            _, record, logits, start, n_valid = self._abstract(jax.eval_shape(target, self.params, cache, state,
+                                                                              active))
+            todo.append((("spec_target", w), steps.spec_target, (self._static, w), (self.params, cache, state, active)))
+            verdict = self._abstract(jax.eval_shape(steps.spec_verify, logits, state, start, n_valid, sampling[modes[0]]))
+            todo += [(("spec_verify", w, m), steps.spec_verify, (), (logits, state, start, n_valid, sampling[m]))
+                     for m in modes]
+            todo.append((("spec_take_back", w), steps.spec_take_back, (self._static,),
+                         (self.params, cache, record, state, start, n_valid, verdict.count)))
+        for m in sorted(set(map(_draft_modes, modes)), key=repr):
+            todo.append((("spec_propose", m), steps.spec_propose, (self._static,),
+                         (self.params, state.rings, state.token, state.budget, state.budget, sampling[m])))
+        return todo
 
     def _unstored(self, todo) -> list[tuple]:
         """Of `todo`'s (slot, jitted, static, args), load those `self.programs` holds into the steps' table;
@@ -429,13 +562,22 @@ class Engine:
         compiles for its own devices)."""
         if jax.process_count() > 1:
             return None
-        if self._identity is None:
-            graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
-            self._identity = (graph, repr(self.cfg), self.num_slots, self.max_len, self.chunk_size, self.kv_dtype)
         mesh = jax.sharding.get_mesh()
         if slot[0] == "sample":  # the sampler holds nothing of the model or the cache: engines share it
             return self.programs.key(slot, repr(mesh), describe(args))
-        return self.programs.key(self._identity, slot, repr(mesh), describe(args))
+        return self.programs.key(self._model_identity(), slot, repr(mesh), describe(args))
+
+    def _model_identity(self) -> tuple:
+        """What the store's keys hold of the model and the engine's shapes."""
+        if self._identity is None:
+            graph = hashlib.sha256(repr(self.graphdef).encode()).hexdigest()
+            self._identity = (graph, repr(self.cfg), self.num_slots, self.max_len, self.chunk_size, self.kv_dtype)
+        return self._identity
+
+
+def _draft_modes(modes: SamplingModes) -> SamplingModes:
+    """The sampler mix the drafts are drawn with: the requests' own, without the alternatives (no draft reports)."""
+    return dataclasses.replace(modes, logprobs=False)
 
 
 def _lower(jitted, static: tuple, args: tuple) -> jax.stages.Lowered:

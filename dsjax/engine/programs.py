@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import pickle
 import tempfile
@@ -36,6 +37,7 @@ from jax.experimental import serialize_executable
 
 MAX_BYTES = 8 * 2 ** 30
 _SUFFIX = ".program"
+_VALUE_SUFFIX = ".json"
 _PACKAGES = ("jax", "jaxlib", "flax", "tokamax", "ml_dtypes", "numpy")
 
 
@@ -94,8 +96,32 @@ class ProgramStore:
         self._evict()
         return True
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.folder, key + _SUFFIX)
+    def load_value(self, key: str):
+        """The JSON value stored under `key` (`save_value`), or None."""
+        try:
+            with open(self._path(key, _VALUE_SUFFIX)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):  # damaged: measured again, and replaced
+            _remove(self._path(key, _VALUE_SUFFIX))
+            return None
+
+    def save_value(self, key: str, value) -> bool:
+        """Store a small JSON value (a measurement that goes with the programs) under `key`; False if it cannot be
+        written."""
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(value, f)
+            os.replace(tmp, self._path(key, _VALUE_SUFFIX))
+        except OSError:
+            _remove(locals().get("tmp", ""))
+            return False
+        return True
+
+    def _path(self, key: str, suffix: str = _SUFFIX) -> str:
+        return os.path.join(self.folder, key + suffix)
 
     def _evict(self) -> None:
         entries = []

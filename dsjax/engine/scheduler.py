@@ -13,9 +13,11 @@ from typing import Iterable, Iterator
 import jax
 import numpy as np
 
+from dsjax.engine import speculative
+from dsjax.engine.acceptance import Acceptance
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.engine import Engine, Spliced
-from dsjax.engine.sampling import SamplingArrays, SamplingParams
+from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingParams
 
 _IDLE = SamplingParams(temperature=0.0)
 
@@ -73,7 +75,7 @@ class _Slots:
 
 
 def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None = None,
-        timer: "StepTimer | None" = None) -> Iterator[TokenEvent]:
+        timer: "StepTimer | None" = None, acceptance: Acceptance | None = None) -> Iterator[TokenEvent]:
     """Generate for every request, yielding tokens as they come (requests interleave).
 
     A consumer that adds a request's index to `cancelled` while handling one of its tokens ends that
@@ -83,15 +85,22 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     host reads step t's tokens and yields their events, so the device does not wait for the host
     between steps. A slot whose request a read then ends (a stop token, a cancellation) has already
     run one more step; that token is dropped. Slots that end by length are never run past it.
+
+    An engine that drafts (`Engine.drafting`) runs verification steps instead, each emitting one or more tokens
+    per slot: the tokens each slot may still emit live on the device (`DraftState.budget`), so a step never
+    runs a slot past its length, and tokens after a stop token are dropped. The width of each step comes
+    from the confidences of the drafts read last (`Engine.width_for`: the step in flight was dispatched before
+    they were read). `acceptance`, if given, counts what the verification kept.
     """
     cancelled = set() if cancelled is None else cancelled
     timer = timer or StepTimer()
     n = engine.num_slots
     slots = _Slots(n, engine.max_len)
     cache = None  # made at the first prefill: the first request may be what precompiles its program
+    drafts = _Drafting(engine, acceptance) if engine.drafting else None
     pending = iter(requests)
     exhausted = False
-    inflight = None  # the decode step dispatched last, not read yet: (sampled, [(slot, request), ...])
+    inflight = None  # the step dispatched last, not read yet: (its result, [(slot, request), ...])
     while True:
         free = [s for s in range(n) if slots.request[s] is None]
         if free and not exhausted:
@@ -104,12 +113,12 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
                 new.append((s, r))
             if new:
                 if inflight is not None:  # the host's view must be current before slots change hands
-                    yield from _read(slots, inflight, cancelled, timer)
+                    yield from _read(slots, inflight, cancelled, timer, drafts)
                     inflight = None
                 if cache is None:
                     cache = engine.new_cache()
                 with timer:
-                    cache, events = _prefill(engine, cache, slots, new)
+                    cache, events = _prefill(engine, cache, slots, new, drafts)
                 for ev in events:
                     yield ev
                     _drop_if_cancelled(slots, ev, cancelled)
@@ -120,7 +129,7 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
         rows = [(s, r) for s, r in enumerate(slots.request) if r is not None and not slots.ends_by_count(s, s in ahead)]
         if not rows:
             if inflight is not None:
-                yield from _read(slots, inflight, cancelled, timer)
+                yield from _read(slots, inflight, cancelled, timer, drafts)
                 inflight = None
                 continue
             if exhausted:
@@ -129,24 +138,95 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
         active = np.zeros(n, bool)
         active[[s for s, _ in rows]] = True
         with timer:
-            last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
-            cache, sampled = engine.decode(cache, last, active, slots.sampling())
+            if drafts is not None:
+                cache, step = drafts.step(cache, active, slots.sampling())
+            else:
+                last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
+                cache, step = engine.decode(cache, last, active, slots.sampling())
         if inflight is not None:
-            yield from _read(slots, inflight, cancelled, timer)
-        inflight = (sampled, rows)
+            yield from _read(slots, inflight, cancelled, timer, drafts)
+        inflight = (step, rows)
 
 
-def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer") -> Iterator[TokenEvent]:
-    """Read a dispatched decode step's tokens and yield the events of the requests it ran that are
-    still in their slots."""
-    sampled, rows = inflight
+def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer",
+          drafts: "_Drafting | None") -> Iterator[TokenEvent]:
+    """Read a dispatched step's tokens and yield the events of the requests it ran that are still in their
+    slots: one per slot for a decode step, each slot's emitted tokens in turn for a verification step."""
+    step, rows = inflight
     with timer:
-        host = jax.device_get(sampled)
+        host = jax.device_get(step)
+    if drafts is not None:
+        verdict = drafts.read(host)
+        for s, r in rows:
+            for j in range(int(verdict.count[s])):
+                if slots.request[s] is not r:  # it ended (stop token, cancellation): the rest is dropped
+                    break
+                if j == 0:
+                    drafts.count(verdict, s)
+                ev = _emit(slots, s, verdict.rows, (s, j))
+                yield ev
+                _drop_if_cancelled(slots, ev, cancelled)
+        return
     for s, r in rows:
         if slots.request[s] is r:  # else it ended (stop token, cancellation) after this step was sent
             ev = _emit(slots, s, host, s)
             yield ev
             _drop_if_cancelled(slots, ev, cancelled)
+
+
+class _Drafting:
+    """The scheduler's side of speculative decoding: the slots' drafting state on the device, the drafts'
+    confidences as last read, and the acceptance counts."""
+
+    def __init__(self, engine: Engine, acceptance: Acceptance | None):
+        self.engine = engine
+        self.acceptance = acceptance
+        self.state = None  # made with the cache, at the first prefill
+        self.confidence = np.zeros((engine.num_slots, engine.cfg.dspark_block_size), np.float32)
+        self._width = None  # of the step dispatched last
+
+    def prefill(self, cache, slots: "_Slots", new: list[tuple[int, Request]], prompts, spliced, pad):
+        """The prefill with the prompts' context keys written; the drafts are proposed once the first tokens
+        are read (`start`)."""
+        if self.state is None:
+            self.state = self.engine.new_draft_state()
+        cache, sampled, rings = self.engine.prefill(cache, prompts, [s for s, _ in new], slots.sampling(),
+                                                    pad_slots=pad, spliced=spliced, rings=self.state.rings)
+        self.state = dataclasses.replace(self.state, rings=rings)
+        return cache, sampled
+
+    def start(self, slots: "_Slots") -> None:
+        """After a prefill's tokens are read (and no step is in flight): every slot's last token, position and
+        budget from the host's counts, and the drafts after each proposed."""
+        n = len(slots.request)
+        budget, position = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        for s, r in enumerate(slots.request):
+            if r is not None:
+                budget[s] = min(r.sampling.max_tokens - slots.generated[s], slots.max_len - slots.total[s])
+                position[s] = slots.total[s] - 1
+        self.state = self.engine.propose(self.state, np.asarray(slots.last, np.int32), budget, position,
+                                         slots.sampling())
+        if len(self.engine.widths) > 1:
+            self.confidence = np.asarray(jax.device_get(self.state.drafts.confidence))
+
+    def step(self, cache, active: np.ndarray, sampling: SamplingArrays):
+        """Dispatch one verification step: (cache, what `_read` reads of it)."""
+        width = self.engine.width_for(self.confidence, active)
+        cache, self.state, verdict = self.engine.speculate(cache, self.state, active, sampling, width)
+        if self.acceptance is not None:
+            self.acceptance.step(width)
+        confidence = self.state.drafts.confidence if len(self.engine.widths) > 1 else None
+        return cache, (verdict, confidence)
+
+    def read(self, host) -> speculative.Verdict:
+        verdict, confidence = host
+        if confidence is not None:
+            self.confidence = np.asarray(confidence)
+        return verdict
+
+    def count(self, verdict: speculative.Verdict, s: int) -> None:
+        if self.acceptance is not None:
+            self.acceptance.add(verdict.rows.token.shape[1], int(verdict.count[s]), int(verdict.verified[s]))
 
 
 class StepTimer:
@@ -176,7 +256,7 @@ def _drop_if_cancelled(slots: _Slots, ev: TokenEvent, cancelled: set[int]) -> No
                 slots.request[s] = None
 
 
-def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]]):
+def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]], drafts: _Drafting | None):
     taken = {s for s, _ in new}
     size = engine.prefill_size(len(new))
     pad = [s for s in range(engine.num_slots) if s not in taken][:size - len(new)]
@@ -184,13 +264,22 @@ def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]
         slots.request[s] = r
         slots.total[s] = len(r.prompt)
         slots.generated[s] = 0
-    cache, sampled = engine.prefill(cache, [r.prompt for _, r in new], [s for s, _ in new],
-                                    slots.sampling(), pad_slots=pad, spliced=[r.spliced for _, r in new])
+    prompts, spliced = [r.prompt for _, r in new], [r.spliced for _, r in new]
+    if drafts is not None:
+        cache, sampled = drafts.prefill(cache, slots, new, prompts, spliced, pad)
+    else:
+        cache, sampled = engine.prefill(cache, prompts, [s for s, _ in new], slots.sampling(), pad_slots=pad,
+                                        spliced=spliced)
     host = jax.device_get(sampled)
-    return cache, [_emit(slots, s, host, s) for s, _ in new]
+    events = [_emit(slots, s, host, s) for s, _ in new]
+    if drafts is not None:
+        drafts.start(slots)
+    return cache, events
 
 
-def _emit(slots: _Slots, s: int, host, row: int) -> TokenEvent:
+def _emit(slots: _Slots, s: int, host: Sampled, row) -> TokenEvent:
+    """Slot s's token at `row` of `host` (an index into its arrays: the slot, or (slot, position) for a
+    verification step's rows), counted, and the event it makes."""
     r = slots.request[s]
     token = int(host.token[row])
     slots.generated[s] += 1

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.cache import Cache, init_cache
+from dsjax.engine import speculative
 from dsjax.engine.sampling import Sampled, SamplingArrays, sample
 from dsjax.engine.slots import put_slots, take_slots
 from dsjax.parallel.rules import slot_axes
@@ -87,19 +88,25 @@ def _decode_logits(graphdef, params, cache: Cache, last_tokens_b, active_b):
 
 
 def _prefill_logits(graphdef, params, cache: Cache, tokens_nc, slots_n, start_n, n_valid_n, spliced=None,
-                    floor_n=None):
+                    floor_n=None, rings=None):
     """One prefill chunk of rows `slots_n`: the cache with their tokens written, and each row's logits
     `[n, vocab]` (float32) after its last valid token of the chunk. `floor_n` (V4.1's bounded replay)
-    hides the decoder windows' positions below it."""
+    hides the decoder windows' positions below it. With DSpark's context rings (`rings`, one row per slot), also
+    the rings with the chunk's context keys written."""
     model = nnx.merge(graph_of(graphdef), params)
     part = take_slots(cache, slots_n)
-    if floor_n is None:
-        hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced)
-    else:
-        hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced, floor_b=floor_n)
+    options = {} if floor_n is None else {"floor_b": floor_n}
+    record = None if rings is None else {}
+    if record is not None:
+        options.update(record=record, rewindable=False)
+    hidden_nch, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced, **options)
     last = jnp.clip(n_valid_n - 1, 0, tokens_nc.shape[1] - 1)
     hidden_nh = jnp.take_along_axis(hidden_nch, last[:, None, None], axis=1)
-    return put_slots(cache, part, slots_n), model.logits(hidden_nh)[:, 0].astype(jnp.float32)
+    out = put_slots(cache, part, slots_n), model.logits(hidden_nh)[:, 0].astype(jnp.float32)
+    if rings is None:
+        return out
+    taken = speculative.write_context(model, tuple(r[slots_n] for r in rings), record["features"], start_n, n_valid_n)
+    return *out, tuple(r.at[slots_n].set(t) for r, t in zip(rings, taken))
 
 
 def decode_step(graphdef, params, cache: Cache, last_tokens_b, active_b, sampling: SamplingArrays
@@ -133,15 +140,17 @@ def decode(graphdef, params, cache: Cache, last_tokens_b, active_b):
     return constrain_cache(cache), *_for_host((logits_bv, cache.lengths + 0))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 11))
 def prefill_chunk(graphdef, params, cache: Cache, logits_sv, tokens_nc, slots_n, start_n, n_valid_n, ends_n,
-                  spliced=None, floor_n=None):
+                  spliced=None, floor_n=None, rings=None):
     """A prefill chunk; the logits of rows whose prompt ends in it land in their slot's row of `logits_sv`.
-    Returns (cache, logits `[slots, vocab]`, positions `[slots]`)."""
-    cache, logits_nv = _prefill_logits(graphdef, params, cache, tokens_nc, slots_n, start_n, n_valid_n, spliced,
-                                       floor_n)
+    Returns (cache, logits `[slots, vocab]`, positions `[slots]`), and DSpark's context rings after them when
+    `rings` are given (`speculative.DraftState.rings`)."""
+    out = _prefill_logits(graphdef, params, cache, tokens_nc, slots_n, start_n, n_valid_n, spliced, floor_n, rings)
+    cache, logits_nv = out[:2]
     logits_sv = logits_sv.at[slots_n].set(jnp.where(ends_n[:, None], logits_nv, logits_sv[slots_n]))
-    return constrain_cache(cache), *_for_host((logits_sv, cache.lengths + 0))
+    result = constrain_cache(cache), *_for_host((logits_sv, cache.lengths + 0))
+    return result if rings is None else (*result, _for_host(out[2]))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -152,6 +161,52 @@ def prefill_encoder_chunk(graphdef, params, cache: Cache, tokens_nc, slots_n, st
     part = take_slots(cache, slots_n)
     _, part = model.extend(tokens_nc, part, start_n, n_valid_n, spliced, decoder=False)
     return constrain_cache(put_slots(cache, part, slots_n))
+
+
+# Speculative decoding (DSpark, `engine.speculative`): one verification step is four programs, so that only the
+# small ones depend on the requests' sampling modes and each model program is compiled once per width.
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def spec_target(graphdef, width: int, params, cache: Cache, state: speculative.DraftState, active_b):
+    """The target over each active row's token and drafts (`speculative.rows_fed` at this width): (cache, record,
+    logits `[slots, width, vocab]`, the rows' first positions, the positions each fed)."""
+    model = nnx.merge(graph_of(graphdef), params)
+    n_valid = speculative.rows_fed(state, active_b, width)
+    start = cache.lengths + 0
+    cache, record, logits = speculative.target_pass(model, cache, speculative.block_tokens(state, width), n_valid)
+    return constrain_cache(cache), *_for_host((record, logits, start, n_valid))
+
+
+@jax.jit
+def spec_verify(logits_bwv, state: speculative.DraftState, start_b, n_valid_b,
+                sampling: SamplingArrays) -> speculative.Verdict:
+    """The verification of a target pass (`speculative.verdict`): one program per width and `SamplingModes`."""
+    return _for_host(speculative.verdict(logits_bwv, state, start_b, n_valid_b, sampling))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def spec_take_back(graphdef, params, cache: Cache, record, state: speculative.DraftState, start_b, n_valid_b, count_b):
+    """The cache taken back past each row's rejected drafts and the kept positions' context keys written: (cache,
+    rings, the rows' next positions)."""
+    model = nnx.merge(graph_of(graphdef), params)
+    tokens = speculative.block_tokens(state, record["image"].shape[1])
+    cache, rings = speculative.take_back(model, cache, record, state.rings, tokens, start_b, n_valid_b, count_b)
+    return constrain_cache(cache), *_for_host((rings, cache.lengths + 0))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def spec_propose(graphdef, params, rings: tuple, token_b, budget_b, positions_b,
+                 sampling: SamplingArrays) -> speculative.DraftState:
+    """The drafting state with each slot's next drafts proposed after `token_b` at `positions_b`."""
+    model = nnx.merge(graph_of(graphdef), params)
+    drafts = speculative.propose(model, rings, token_b, positions_b, sampling)
+    return _for_host(speculative.DraftState(rings, token_b, drafts, budget_b))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def new_draft_state(graphdef, num_slots: int, params) -> speculative.DraftState:
+    """The drafting state of empty slots."""
+    return _for_host(speculative.new_state(nnx.merge(graph_of(graphdef), params), num_slots))
 
 
 @jax.jit
