@@ -31,6 +31,7 @@ from dsjax.config import CSA, HCA, ModelConfig, QuantConfig
 from dsjax.config_v41 import V41Config, is_v41
 from dsjax.engine import scheduler
 from dsjax.engine.aot import stored_config
+from dsjax.engine.acceptance import Acceptance
 from dsjax.engine.engine import Engine
 from dsjax.engine.programs import program_store
 from dsjax.engine.sampling import SamplingArrays, SamplingModes, SamplingParams
@@ -450,15 +451,18 @@ def _requests(cfg: ModelConfig, batch: int, prompt_len: int, gen_len: int, seed:
                               frozenset()) for i in range(batch)]
 
 
-def _timed_run(engine: Engine, requests: list[scheduler.Request]) -> tuple[float, float, int]:
+def _timed_run(engine: Engine, requests: list[scheduler.Request],
+               acceptance: Acceptance | None = None) -> tuple[float, float, int]:
     """(seconds to the first token of every request, seconds of the decode steps after it, decode
-    steps) of one scheduler run: all requests share one prefill (the engine has a slot each)."""
+    steps) of one scheduler run: all requests share one prefill (the engine has a slot each). With
+    speculative decoding the "steps" are tokens per request (a verification step emits several), and
+    `acceptance` counts what the verification kept."""
     n = len(requests)
     t0 = time.perf_counter()
     t_first = None
     seen = 0
     steps = 0
-    for ev in scheduler.run(engine, requests):
+    for ev in scheduler.run(engine, requests, acceptance=acceptance):
         seen += 1
         if seen == n:
             t_first = time.perf_counter()
@@ -501,10 +505,13 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, r
     requests = _requests(cfg, batch, prompt_len, gen_len, seed)
     # Every program the run takes, in parallel (all requests start together: one prefill size).
     engine.precompile(modes=[SamplingModes.of([requests[0].sampling])], buckets=[prefill_rows(batch, batch)])
+    if len(engine.widths) > 1:
+        engine.measure_widths()
     _timed_run(engine, [dataclasses.replace(r, sampling=SamplingParams(temperature=0.0, max_tokens=2))
                         for r in requests])  # a first run of each step, outside the measurement
     compiled = Engine.compilations()
-    prefill_s, decode_s, steps = _timed_run(engine, requests)
+    acceptance = Acceptance(cfg.dspark_block_size) if engine.drafting else None
+    prefill_s, decode_s, steps = _timed_run(engine, requests, acceptance)
     if Engine.compilations() != compiled:
         raise RuntimeError(f"the measured run compiled {Engine.compilations() - compiled} more programs after "
                            "warm-up: a step's shapes changed")
@@ -514,6 +521,10 @@ def run_bench(model: DeepseekV4, batch: int, prompt_len: int, gen_len: int, *, r
            "decode_step_s": decode_s / steps, "decode_tokens_per_s_per_seq": steps / decode_s,
            "decode_tokens_per_s": batch * steps / decode_s, "decode_steps": steps,
            "peak_memory_bytes": peak_memory()[0], "compilations_after_warmup": 0}
+    if acceptance is not None:  # the "steps" above are tokens per request; these are the verification steps
+        out["speculative"] = {"drafts": run.drafts, "width_seconds": None if engine.width_seconds is None else
+                              [float(x) for x in engine.width_seconds], **acceptance.summary()}
+        breakdown = False  # the per-part split profiles the plain decode step, which a drafting run does not take
     if rates is not None:
         roof = (roofline_v41(model, batch, prompt_len, gen_len, rates, run.decoder_prefill, run.kv_dtype)
                 if getattr(cfg, "family", "v4") == "v4.1" else roofline(model, batch, prompt_len, gen_len, rates,
@@ -618,6 +629,11 @@ def format_report(row: dict) -> str:
              + (f" (the largest of {len(row['peak_memory_bytes_per_device'])} devices: "
                 f"{', '.join(gib(n) for n in row['peak_memory_bytes_per_device'])})"
                 if any(n is not None for n in row.get("peak_memory_bytes_per_device", ())) else "")]
+    spec = row.get("speculative")
+    if spec and spec.get("target_steps"):
+        rates = "/".join("-" if r is None else f"{100 * r:.0f}%" for r in spec["acceptance_by_position"])
+        lines.insert(3, f"  DSpark   {spec['target_steps']} target steps, {spec['mean_accepted_length']:.2f} tokens per "
+                        f"sequence a step, drafts accepted {rates} (a decode \"step\" above is a token)")
     if "mesh" in row:
         lines[0] += f" on mesh {','.join(f'{a}={n}' for a, n in row['mesh'].items())}"
     if "roofline_decode_step_s" in row:

@@ -12,8 +12,8 @@ from dsjax.compile_cache import compile_cache
 from dsjax.config import ModelConfig
 from dsjax.parallel import distributed
 from dsjax.quant import KV_DTYPES
-from dsjax.run_config import (DECODER_PREFILL, DTYPES, KERNELS, RENAMED_WEIGHTS, WEIGHTS, RunConfig, RunConfigError,
-                              auto_chunk_size)
+from dsjax.run_config import (DECODER_PREFILL, DTYPES, KERNELS, RENAMED_WEIGHTS, SPECULATIVE, WEIGHTS, RunConfig,
+                              RunConfigError, auto_chunk_size)
 
 # The run options (`RunConfig`'s fields) as flags, one name each whatever the sub-command: the flag, how
 # argparse reads it (choices: the code's own tuples), and what it means.
@@ -44,10 +44,19 @@ _RUN_FLAGS = {
                         "DeepSeek-V4.1's prefill: exact (default) runs the decoder layers only on the prompt "
                         "positions that reach its end, bit for bit as full; replay is DeepInfer's approximate "
                         "bounded replay"),
+    "speculative": ("--speculative", dict(choices=SPECULATIVE),
+                    "off, or dspark: DeepSeek-V4.1's DSpark stages draft tokens that the target verifies in its step "
+                    "(greedy: the same tokens as off; sampling: the same distribution); the summary gives the "
+                    "acceptance"),
+    "drafts": ("--drafts", dict(type=lambda t: _drafts(t), metavar="N|auto"),
+               "with --speculative dspark, the drafts verified per request a step; auto (default): chosen each step "
+               "from the drafter's confidence and the step times measured at start"),
 }
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-# For the commands that compile the engine's steps; `decoder_prefill` only where V4.1 runs (generate, bench).
-_EVERY = tuple(f for f in _RUN_FLAGS if f != "decoder_prefill")
+# For the commands that compile the engine's steps; those of V4.1's prefill and speculative decoding only where the
+# scheduler runs (generate, bench).
+_SCHEDULED = ("decoder_prefill", "speculative", "drafts")
+_EVERY = tuple(f for f in _RUN_FLAGS if f not in _SCHEDULED)
 # Spellings that still work until 0.2, each printing the one that replaces it.
 _GOES_IN = "0.2"
 _RENAMED_FLAGS = {"--max-batch": "--slots", "--batch": "--slots", "--chunk": "--chunk-size", "--context": "--max-len"}
@@ -62,6 +71,16 @@ def _chunk_tokens(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
+
+
+def _drafts(text: str) -> int | None:
+    """`--drafts`: a number of drafts, or "auto" (None)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of drafts or 'auto', got {text!r}") from None
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -456,7 +475,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-format", choices=["v4", "v4.1"],
                    help="the prompt encoding (default: the checkpoint's: v4.1 for a model that reads images, else "
                         "v4); for a checkpoint trained on the other format than its config says")
-    add_run_args(p, (*_EVERY, "decoder_prefill"),
+    add_run_args(p, (*_EVERY, *_SCHEDULED),
                  old=("--max-batch",), helps={
                      "mesh": "run sharded over the visible devices (of every process, in a multi-process run), "
                              "e.g. 'ep=8' or 'dp=2,ep=4': routed experts split over ep (expert parallelism); "
@@ -569,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--engram-rows", type=int, help="V4.1: shrink each Engram table to about this many rows (the "
                     "lookups' cost does not depend on the table's size; the release's 384M rows take 98 GB each)")
     # Float weights by default, unlike plan's and export's: the measurements compare with float engines.
-    add_run_args(be, ("slots", "chunk_size", "kv_dtype", "weights", "kernels", "decoder_prefill", "mesh"),
+    add_run_args(be, ("slots", "chunk_size", "kv_dtype", "weights", "kernels", *_SCHEDULED, "mesh"),
                  defaults={"weights": "bf16"},
                  required=("slots",), several=("slots",), old=("--batch",), helps={
                      "slots": "sequences in flight; several sizes run in turn",

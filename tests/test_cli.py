@@ -11,17 +11,19 @@ import pytest
 
 from dsjax.cli import build_parser, main, run_config
 from dsjax.quant import KV_DTYPES
-from dsjax.run_config import DECODER_PREFILL, DTYPES, KERNELS, WEIGHTS, RunConfig
+from dsjax.run_config import DECODER_PREFILL, DTYPES, KERNELS, SPECULATIVE, WEIGHTS, RunConfig
 
 FLAGS = {"slots": "--slots", "max_len": "--max-len", "chunk_size": "--chunk-size", "dtype": "--dtype",
          "kv_dtype": "--kv-dtype", "weights": "--weights", "kernels": "--kernels", "mesh": "--mesh",
-         "decoder_prefill": "--decoder-prefill"}
+         "decoder_prefill": "--decoder-prefill", "speculative": "--speculative", "drafts": "--drafts"}
 CHOICES = {"dtype": DTYPES, "kv_dtype": KV_DTYPES, "weights": WEIGHTS, "kernels": KERNELS,
-           "decoder_prefill": DECODER_PREFILL}
-# The run options each sub-command takes: those it uses (V4.1's decoder prefill where V4.1 runs).
-EVERY = set(FLAGS) - {"decoder_prefill"}
-TAKES = {"info": {"max_len"}, "generate": EVERY | {"decoder_prefill"}, "convert": {"weights", "mesh"}, "plan": EVERY,
-         "bench": EVERY - {"max_len", "dtype"} | {"decoder_prefill"}, "export": EVERY}
+           "decoder_prefill": DECODER_PREFILL, "speculative": SPECULATIVE}
+# The run options each sub-command takes: those it uses (V4.1's decoder prefill and speculative decoding where the
+# scheduler runs).
+SCHEDULED = {"decoder_prefill", "speculative", "drafts"}
+EVERY = set(FLAGS) - SCHEDULED
+TAKES = {"info": {"max_len"}, "generate": EVERY | SCHEDULED, "convert": {"weights", "mesh"}, "plan": EVERY,
+         "bench": EVERY - {"max_len", "dtype"} | SCHEDULED, "export": EVERY}
 # Enough for each sub-command to parse (values of its own required options).
 BASE = {"info": ["--preset", "tiny"], "generate": [], "convert": ["src", "dst"],
         "plan": ["--preset", "tiny", "--mesh", "ep=8", "--max-len", "64", "--slots", "8"],
@@ -170,3 +172,11 @@ def test_bench_runs_each_slot_count(tmp_path, capsys):
 
 def test_run_options_have_one_name_in_the_config_and_the_cli():
     assert [f.name for f in dataclasses.fields(RunConfig)] == list(FLAGS)
+
+
+def test_drafts_take_a_count_or_auto():
+    from dsjax.cli import _drafts
+
+    assert _drafts("auto") is None and _drafts("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="number of drafts or 'auto'"):
+        _drafts("many")

@@ -36,12 +36,14 @@ from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_
 from dsjax.batch.results import InputFingerprint, ResultsFile, check_output, error_record, success_record
 from dsjax.config import ModelConfig
 from dsjax.config_v41 import model_config
+from dsjax.engine.acceptance import Acceptance
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.engine import Engine, Spliced
 from dsjax.engine.generate import request_seed
 from dsjax.engine.pixels import ImageError, decode_image
 from dsjax.engine.programs import program_store
 from dsjax.engine.scheduler import Request, StepTimer, run
+from dsjax.engine.speculative import check_drafting
 from dsjax.engine.slots import prefill_buckets, prefill_rows
 from dsjax.model import expert_code_layout, with_code_layout
 from dsjax.parallel import distributed
@@ -192,6 +194,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
     phase = {"load": 0.0, "load_end": 0.0, "precompile": 0.0, "loop": 0.0, "loop_compile": 0.0, "loop_programs": 0,
              "programs_loaded": 0, "load_programs": 0.0}
     stopped_by = None
+    acceptance = None  # speculative decoding's counts, with an engine that drafts
     say = _phase_printer(cfg.progress and main)
     with CompileClock() as clock:
         timer = StepTimer(clock)
@@ -211,6 +214,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                 stopper.check()
                 with jax.set_mesh(setup.mesh) if setup.mesh is not None else contextlib.nullcontext():
                     engine = Engine(model, setup.run, programs=program_store())
+                    acceptance = Acceptance(model.cfg.dspark_block_size) if engine.drafting else None
                     stopper.check()
                     results.open()
                     bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
@@ -244,13 +248,21 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                         if cfg.verbose:
                             for name, secs in clock.slowest():
                                 say("  " + name + ": " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items()))
+                        if len(engine.widths) > 1:  # the drafts a step verifies are chosen from these
+                            t = time.perf_counter()
+                            seconds = engine.measure_widths()
+                            phase["measure_widths"] = time.perf_counter() - t
+                            phase["width_seconds"] = [round(float(x), 6) for x in seconds]
+                            say(f"verification step at widths 1-{len(seconds)}: "
+                                + ", ".join(f"{1e3 * x:.1f}" for x in seconds) + f" ms "
+                                f"({phase['measure_widths']:.1f} s to measure or read)")
 
                     try:
                         def working() -> float:  # seconds of the loop so far, less jax's compiling in it
                             return time.perf_counter() - t_loop - clock.seconds(since=wall_loop)
 
                         _run(cfg, engine, setup.recipe, results, is_done, stats, timer, bar, working, stopper.check,
-                             compile_all, pending)
+                             compile_all, pending, acceptance)
                     finally:
                         engine.close()
                         bar.close()
@@ -292,6 +304,10 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
         "prompt_tokens_per_second": round(stats["prompt_tokens"] / generation, 2) if generation else 0.0,
         "generated_tokens_per_second": round(stats["generated_tokens"] / generation, 2) if generation else 0.0,
         "engine_step_seconds": round(timer.seconds, 3),  # compiling not included
+        # --speculative dspark: the verification steps' widths' measured times, and what they kept
+        "speculative": None if acceptance is None else {
+            "width_seconds": phase.get("width_seconds"), "measure_seconds": round(phase.get("measure_widths", 0.0), 3),
+            **acceptance.summary()},
         # Time in the generation loop spent outside the jitted steps: recipe, scheduling, output.
         "host_overhead_ms_per_generated_token": round(1e3 * max(phase["loop"] - phase["loop_compile"] - timer.seconds,
                                                                 0.0) / max(stats["generated_tokens"], 1), 3),
@@ -328,7 +344,18 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{s['prompt_tokens']:,} prompt and {s['generated_tokens']:,} generated tokens in {s['wall_seconds']:.1f} s: "
             f"load {s['load_seconds']:.1f} s, compile {s['compile_seconds']:.1f} s ({s['programs_compiled']} "
             f"programs{cached}), generation {s['generation_seconds']:.1f} s at "
-            f"{s['prompt_tokens_per_second']:,.1f} prompt and {s['generated_tokens_per_second']:,.1f} generated tok/s")
+            f"{s['prompt_tokens_per_second']:,.1f} prompt and {s['generated_tokens_per_second']:,.1f} generated tok/s"
+            + _format_speculative(s.get("speculative")))
+
+
+def _format_speculative(spec: dict | None) -> str:
+    """The closing line's part on speculative decoding: what a request got per target step, and each draft's
+    acceptance."""
+    if not spec or not spec.get("target_steps"):
+        return ""
+    rates = "/".join("-" if r is None else f"{100 * r:.0f}%" for r in spec["acceptance_by_position"])
+    return (f"; DSpark: {spec['mean_accepted_length']:.2f} tokens per request per target step "
+            f"({spec['tokens_per_target_step']:.2f} per step), drafts accepted {rates}")
 
 
 def _write_summary(path: str, summary: dict[str, Any]) -> None:
@@ -382,6 +409,11 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
     tokenizer = os.path.join(cfg.model, "tokenizer.json")
     if not os.path.isfile(tokenizer):
         raise JobError(f"{cfg.model!r} has no tokenizer.json: the job encodes prompts with the model's tokenizer")
+    if cfg.run.speculative != "off":
+        try:
+            check_drafting(model_cfg, cfg.run.drafts)
+        except ValueError as e:
+            raise JobError(str(e)) from None
     context = min(cfg.run.max_len, model_cfg.max_position_embeddings)
     sized = cfg.run.replace(max_len=context, chunk_size=min(cfg.run.chunk_size, context))
     _check_cache_fits(model_cfg, sized, mesh)
@@ -534,7 +566,8 @@ def _done_on_process_0(cfg: JobConfig, results) -> Callable[[InputLine], bool]:
 
 
 def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Callable[[], float],
-         check_stop: Callable[[], None], compile_all: Callable[[int, int], None], pending: int) -> None:
+         check_stop: Callable[[], None], compile_all: Callable[[int, int], None], pending: int,
+         acceptance: Acceptance | None = None) -> None:
     """The generation loop. The first window of requests is read and prepared before `compile_all(first,
     later)` is told how many requests are ready (`first`) and how many more may come (`later`): the
     prefill programs it compiles are those row counts can take. Images are encoded as the scheduler takes
@@ -615,7 +648,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
             yield Request(index, tuple(prep.prompt), prep.sampling, seed, frozenset(prep.sampling.stop_token_ids),
                           spliced)
 
-    for ev in run(engine, requests(), cancelled, timer):
+    for ev in run(engine, requests(), cancelled, timer, acceptance):
         check_stop()
         prep = preps[ev.index]
         stream = streams.get(ev.index)

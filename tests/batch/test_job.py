@@ -617,3 +617,48 @@ def test_requests_are_prepared_on_a_pool_of_threads(tmp_path, tiny_model_dir, mo
     assert len(records(tmp_path / "out.jsonl")) == 12
     assert len(seen) == 11 and all(name.startswith("dsjax-prepare") for name, _ in seen)
     assert max(n for _, n in seen) > 1
+
+
+def test_speculative_decoding_gives_the_same_greedy_text_and_reports_the_acceptance(tmp_path, capsys):
+    """`--speculative dspark` on a synthetic DeepSeek-V4.1 checkpoint with DSpark stages (`mtp.*`): greedy requests
+    give the texts of `--speculative off`, the summary and the closing line say what the verification kept; a
+    checkpoint without stages is refused before any weight is read."""
+    from dsjax.checkpoint.synthetic import word_level_tokenizer, write_synthetic_v41
+    from dsjax.config_v41 import V41Config
+    from dsjax.presets import tiny_v41_vocabulary
+    from dsjax.training.tokenizer import special_token_strings
+
+    base = V41Config.preset("tiny-v4.1")
+    cfg = base.replace(num_nextn_predict_layers=3, compress_ratios=base.compress_ratios + (0, 0, 0),
+                       dspark_block_size=5, dspark_noise_token_id=254, dspark_target_layer_ids=(5, 6, 7),
+                       dspark_markov_rank=8, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
+    folder = str(tmp_path / "v41")
+    write_synthetic_v41(folder, cfg, seed=3, tokenizer=word_level_tokenizer(tiny_v41_vocabulary(),
+                                                                              special_token_strings()))
+    name = "DeepSeek-V4.1-Flash"
+    greedy = dict(max_tokens=9, temperature=0, thinking={"type": "disabled"})
+    lines = [{**chat(f"r{i}", []), "body": {"model": name, "messages": [{"role": "user", "content": text}], **greedy}}
+             for i, text in enumerate(["the cat sat on the mat", "a dog", "the mat sat on a cat on a dog"])]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    argv = ["generate", "--model", folder, "--input", inp, "--slots", "2", "--max-len", "128", "--chunk-size", "32",
+            "--no-compile-cache", "--quiet"]
+    texts = {}
+    for mode in ("off", "dspark"):
+        out = str(tmp_path / f"{mode}.jsonl")
+        capsys.readouterr()
+        assert main(argv + ["--output", out, "--speculative", mode] + (["--drafts", "3"] if mode == "dspark" else [])) == 0
+        texts[mode] = {r["custom_id"]: canonical(r["response"]["body"]["choices"]) for r in records(out)}
+        with open(summary_path(out)) as f:
+            summary = json.load(f)
+    assert texts["dspark"] == texts["off"] and len(texts["off"]) == 3
+    spec = summary["speculative"]
+    assert spec["target_steps"] > 0 and spec["steps_by_width"] == {"4": spec["target_steps"]}
+    assert summary["programs_compiled_during_generation"] == 0
+    assert "DSpark:" in capsys.readouterr().out
+    plain = str(tmp_path / "plain")
+    write_synthetic_v41(plain, base, seed=3, tokenizer=word_level_tokenizer(tiny_v41_vocabulary(),
+                                                                             special_token_strings()))
+    with pytest.raises(JobError, match="DSpark draft stages"):
+        run_job(JobConfig(model=plain, input=inp, output=str(tmp_path / "x.jsonl"),
+                          run=RunConfig(speculative="dspark")))
+    assert not os.path.exists(tmp_path / "x.jsonl")
