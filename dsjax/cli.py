@@ -63,24 +63,21 @@ _RENAMED_FLAGS = {"--max-batch": "--slots", "--batch": "--slots", "--chunk": "--
 _RENAMED_VALUES = {"--weights": RENAMED_WEIGHTS}
 
 
-def _chunk_tokens(text: str) -> int | str:
-    """`--chunk-size`: a number of tokens, or "auto" (resolved in `run_config`)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
+def _count_or_auto(what: str, auto):
+    """An argparse type: a number of `what`, or "auto" (read as `auto`)."""
+    def parse(text: str):
+        if text == "auto":
+            return auto
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {what} or 'auto', got {text!r}") from None
+    return parse
 
 
-def _drafts(text: str) -> int | None:
-    """`--drafts`: a number of drafts, or "auto" (None)."""
-    if text == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of drafts or 'auto', got {text!r}") from None
+# `--chunk-size`'s "auto" is resolved in `run_config`; `--drafts auto` is RunConfig's None (chosen each step).
+_chunk_tokens = _count_or_auto("tokens", "auto")
+_drafts = _count_or_auto("drafts", None)
 
 
 def _deprecated(old: str, new: str) -> None:

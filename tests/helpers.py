@@ -51,3 +51,29 @@ def mesh_cuda_module(fn, *args) -> str:
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled_checks("cuda"))(
             *specs).mlir_module()
+
+
+def dspark_model(seed: int = 0, **changes):
+    """tiny-v4.1 with three DSpark stages (5-token blocks, target layers 5-7, rank-8 Markov bias, 4 experts top-2)
+    and config `changes`, fp32, every gate the init leaves trivial (sinks, router biases, mHC bases, norms) made
+    random, so that no part of a test's path is an identity."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from dsjax.config_v41 import V41Config
+    from dsjax.model_v41 import DeepseekV41
+
+    base = V41Config.preset("tiny-v4.1")
+    cfg = base.replace(**{"num_nextn_predict_layers": 3, "compress_ratios": base.compress_ratios + (0, 0, 0),
+                          "dspark_block_size": 5, "dspark_noise_token_id": 254, "dspark_target_layer_ids": (5, 6, 7),
+                          "dspark_markov_rank": 8, "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2,
+                          **changes})
+    model = DeepseekV41(cfg, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        name = ".".join(map(str, path))
+        if name.endswith(("sinks", "e_score_correction_bias", "bias_vl", "hc.base", "norm.weight")):
+            var.set_value(jnp.asarray(rng.normal(1.0 if name.endswith("norm.weight") else 0.0, 0.5,
+                                                 var.get_value().shape), jnp.float32))
+    return model

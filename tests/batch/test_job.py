@@ -619,10 +619,12 @@ def test_requests_are_prepared_on_a_pool_of_threads(tmp_path, tiny_model_dir, mo
     assert max(n for _, n in seen) > 1
 
 
-def test_speculative_decoding_gives_the_same_greedy_text_and_reports_the_acceptance(tmp_path, capsys):
-    """`--speculative dspark` on a synthetic DeepSeek-V4.1 checkpoint with DSpark stages (`mtp.*`): greedy requests
-    give the texts of `--speculative off`, the summary and the closing line say what the verification kept; a
-    checkpoint without stages is refused before any weight is read."""
+@pytest.mark.heavy
+def test_speculative_decoding_runs_the_job_and_reports_the_acceptance(tmp_path, capsys):
+    """`dsjax generate --speculative dspark` on a synthetic DeepSeek-V4.1 checkpoint with DSpark stages (`mtp.*`):
+    every request answered, every program built before the first request and none after, the summary and the
+    closing line say what the verification kept; a checkpoint without stages is refused before any weight is read.
+    (That the tokens are those of `--speculative off`: `tests/engine/test_scheduler_speculative.py`.)"""
     from dsjax.checkpoint.synthetic import word_level_tokenizer, write_synthetic_v41
     from dsjax.config_v41 import V41Config
     from dsjax.presets import tiny_v41_vocabulary
@@ -642,15 +644,14 @@ def test_speculative_decoding_gives_the_same_greedy_text_and_reports_the_accepta
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
     argv = ["generate", "--model", folder, "--input", inp, "--slots", "2", "--max-len", "128", "--chunk-size", "32",
             "--no-compile-cache", "--quiet"]
-    texts = {}
-    for mode in ("off", "dspark"):
-        out = str(tmp_path / f"{mode}.jsonl")
-        capsys.readouterr()
-        assert main(argv + ["--output", out, "--speculative", mode] + (["--drafts", "3"] if mode == "dspark" else [])) == 0
-        texts[mode] = {r["custom_id"]: canonical(r["response"]["body"]["choices"]) for r in records(out)}
-        with open(summary_path(out)) as f:
-            summary = json.load(f)
-    assert texts["dspark"] == texts["off"] and len(texts["off"]) == 3
+    out = str(tmp_path / "out.jsonl")
+    capsys.readouterr()
+    assert main(argv + ["--output", out, "--speculative", "dspark", "--drafts", "3"]) == 0
+    recs = records(out)
+    assert len(recs) == 3 and all(r["error"] is None for r in recs)
+    assert all(1 <= r["response"]["body"]["usage"]["completion_tokens"] <= 9 for r in recs)
+    with open(summary_path(out)) as f:
+        summary = json.load(f)
     spec = summary["speculative"]
     assert spec["target_steps"] > 0 and spec["steps_by_width"] == {"4": spec["target_steps"]}
     assert summary["programs_compiled_during_generation"] == 0

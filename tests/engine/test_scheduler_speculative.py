@@ -1,8 +1,9 @@
 """Continuous batching with DSpark's speculative decoding (`scheduler.run` over an `Engine` that drafts): greedy
 tokens, log-probabilities and finish reasons are those of plain decoding, with more requests than slots, stop tokens
 inside a verified block and max_tokens and max_len ending requests; sampled tokens are distributed as the target's
-(chi-square against the exact distribution, enumerated) and depend on the request's seed alone; nothing compiles
-once the programs are built; the step times of each width are measured once and kept with the programs."""
+(chi-square against the exact distribution, enumerated) and depend on the request's seed alone; the width is chosen
+each step; the step times of each width are measured once and kept with the programs; `bench` reports the
+acceptance."""
 
 from __future__ import annotations
 
@@ -13,36 +14,24 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from dsjax.config_v41 import V41Config
 from dsjax.engine.acceptance import Acceptance
 from dsjax.engine.engine import Engine
 from dsjax.engine.programs import ProgramStore
 from dsjax.engine.sampling import SamplingParams
 from dsjax.engine.scheduler import Request, run
 from dsjax.model_v41 import DeepseekV41
+from tests.helpers import dspark_model
 from dsjax.run_config import RunConfig, RunConfigError
 
 BASE = RunConfig(slots=4, max_len=40, chunk_size=16, dtype="float32")  # chunks longer than the window (8)
 P_MIN = 1e-6  # fixed seeds: a pass or a failure is deterministic
 
 
-def _model(vocab: int, seed: int = 0) -> DeepseekV41:
-    """tiny-v4.1 with three DSpark stages and a small vocabulary, so that random drafts are often right (every count
-    of kept drafts happens), fp32, the gates the init leaves trivial made random."""
-    base = V41Config.preset("tiny-v4.1")
-    cfg = base.replace(vocab_size=vocab, num_nextn_predict_layers=3, compress_ratios=base.compress_ratios + (0, 0, 0),
-                       dspark_block_size=5, dspark_noise_token_id=vocab - 1, dspark_target_layer_ids=(5, 6, 7),
-                       dspark_markov_rank=8, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
-                       engram_pad_token_id=0, engram_compressed_vocab_size=vocab, image_token_id=vocab - 2,
-                       bos_token_id=1, eos_token_id=2)
-    model = DeepseekV41(cfg, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
-        name = ".".join(map(str, path))
-        if name.endswith(("sinks", "e_score_correction_bias", "bias_vl", "hc.base", "norm.weight")):
-            var.set_value(jnp.asarray(rng.normal(1.0 if name.endswith("norm.weight") else 0.0, 0.5,
-                                                 var.get_value().shape), jnp.float32))
-    return model
+def _model(vocab: int) -> DeepseekV41:
+    """`helpers.dspark_model` with a small vocabulary, so that random drafts are often right (every count of kept
+    drafts happens)."""
+    return dspark_model(0, vocab_size=vocab, dspark_noise_token_id=vocab - 1, engram_pad_token_id=0,
+                        engram_compressed_vocab_size=vocab, image_token_id=vocab - 2, bos_token_id=1, eos_token_id=2)
 
 
 VOCAB = 6
@@ -55,10 +44,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    """One drafting engine for the module, its programs built once: three drafts a step."""
-    engine = Engine(model, BASE.replace(speculative="dspark", drafts=3))
-    engine.precompile()
-    return engine
+    """One drafting engine for the module: three drafts a step. Its programs are jit's, compiled as the tests first
+    need them (`precompile`'s set is tested by the job, `tests/batch/test_job.py`): xdist may run this module's tests
+    on several workers, each compiling what it runs."""
+    return Engine(model, BASE.replace(speculative="dspark", drafts=3))
 
 
 def _requests(n: int, seed: int, **sampling) -> list[Request]:
@@ -80,15 +69,12 @@ def _generate(engine, requests, acceptance: Acceptance | None = None) -> dict[in
 
 
 def test_greedy_with_dspark_gives_what_greedy_without_does(model, engine):
-    """More requests than slots, stop tokens, logprobs, and a request that reaches the cache's length mid-block;
-    nothing is compiled once the engine's programs are built."""
+    """More requests than slots, stop tokens, logprobs, and a request that reaches the cache's length mid-block."""
     requests = _requests(11, seed=6, temperature=0.0)
     requests.append(Request(11, (3, 1, 0) * 10, SamplingParams(temperature=0.0, max_tokens=100), 0, frozenset()))
     want = _generate(Engine(model, BASE), requests)
-    before = Engine.compilations()
     acceptance = Acceptance(model.cfg.dspark_block_size)
     got = _generate(engine, requests, acceptance)
-    assert Engine.compilations() == before and engine.fallbacks == 0
     assert sorted(got) == sorted(want) == list(range(len(requests)))
     for i in want:
         assert [e.token for e in got[i]] == [e.token for e in want[i]], i
@@ -152,16 +138,17 @@ def _exact_marginals(model, prompt: tuple[int, ...], n: int) -> list[np.ndarray]
     return marginals
 
 
+@pytest.mark.heavy
 def test_sampled_tokens_are_distributed_as_the_targets(model, engine):
-    """1,600 seeds of one prompt, 4 tokens each (the first from the prefill's sampler, the others from verification
+    """600 seeds of one prompt, 4 tokens each (the first from the prefill's sampler, the others from verification
     steps): each position's tokens against the target's exact distribution there."""
-    prompt, n_tokens, n_seeds = (3, 0, 1, 3, 2), 4, 1600
+    prompt, n_tokens, n_seeds = (3, 0, 1, 3, 2), 4, 600
     params = SamplingParams(temperature=1.0, max_tokens=n_tokens)
     requests = [Request(i, prompt, params, 7 * i + 1, frozenset()) for i in range(n_seeds)]
     acceptance = Acceptance(model.cfg.dspark_block_size)
     got = _generate(engine, requests, acceptance)
     tokens = np.asarray([[e.token for e in got[i]] for i in range(n_seeds)])
-    assert acceptance.accepted[:2].min() > 200, acceptance.summary()  # kept drafts are a good part of the sample
+    assert acceptance.accepted[:2].min() > 75, acceptance.summary()  # kept drafts are a good part of the sample
     for position, q in enumerate(_exact_marginals(model, prompt, n_tokens)):
         counts = np.bincount(tokens[:, position], minlength=q.size)
         p = stats.chisquare(counts, q / q.sum() * n_seeds).pvalue

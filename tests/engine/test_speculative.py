@@ -20,6 +20,7 @@ from dsjax.engine import speculative
 from dsjax.engine.sampling import SamplingArrays, SamplingParams, distribution
 from dsjax.layers import dspark
 from dsjax.model_v41 import DeepseekV41
+from tests.helpers import dspark_model
 
 V, K, N = 6, 3, 40_000  # toy vocabulary, drafts a step, rows (one seed each)
 P_MIN = 1e-6  # the seeds are fixed, so a pass or a failure is deterministic
@@ -150,22 +151,6 @@ def test_greedy_drafts_follow_the_heads_token_by_token():
     assert ((drafts.confidence > 0) & (drafts.confidence < 1)).all()
 
 
-def _drafting_model(seed: int) -> DeepseekV41:
-    """tiny-v4.1 with three DSpark stages, fp32, every gate the init leaves trivial made random."""
-    base = V41Config.preset("tiny-v4.1")
-    cfg = base.replace(num_nextn_predict_layers=3, compress_ratios=base.compress_ratios + (0, 0, 0),
-                       dspark_block_size=5, dspark_noise_token_id=254, dspark_target_layer_ids=(5, 6, 7),
-                       dspark_markov_rank=8, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
-    model = DeepseekV41(cfg, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
-        name = ".".join(map(str, path))
-        if name.endswith(("sinks", "e_score_correction_bias", "bias_vl", "hc.base", "norm.weight")):
-            var.set_value(jnp.asarray(rng.normal(1.0 if name.endswith("norm.weight") else 0.0, 0.5,
-                                                 var.get_value().shape), jnp.float32))
-    return model
-
-
 _extend = jax.jit(lambda m, tokens, cache, start, n: m.extend(tokens, cache, start, n))
 _extend_recorded = jax.jit(lambda m, tokens, cache, start, n: (lambda r: (*m.extend(tokens, cache, start, n, record=r),
                                                                           r))({}))
@@ -237,7 +222,7 @@ def _greedy_speculative(model, prompts, steps, max_len, oracle=None, seed=0):
 
 @pytest.fixture(scope="module")
 def drafting():
-    model = _drafting_model(0)
+    model = dspark_model(0)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, 250, 11).tolist(), rng.integers(3, 250, 14).tolist()]
     return model, prompts
