@@ -205,7 +205,8 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                 results.open()
             else:
                 t = time.perf_counter()
-                model = load_model(cfg.model, dtype=cfg.run.jnp_dtype, weights=cfg.run.weights, mesh=setup.mesh)
+                model = load_model(cfg.model, dtype=cfg.run.jnp_dtype, weights=cfg.run.weights, mesh=setup.mesh,
+                                   drafter=cfg.run.speculative != "off")  # DSpark's stages only where they draft
                 model = with_code_layout(model, expert_code_layout(cfg.run.kernels, jax.default_backend()))
                 phase["load"] = time.perf_counter() - t
                 phase["load_end"] = time.perf_counter() - t_start

@@ -22,7 +22,8 @@ from dsjax.run_config import WEIGHTS, check_choice
 
 
 
-def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep", mesh=None) -> DeepseekV4:
+def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep", mesh=None,
+               drafter: bool = True) -> DeepseekV4:
     """Load a DeepSeek-V4 model from a Hugging Face folder (`config.json` + safetensors).
 
     Accepts HF module names, the original DeepSeek names and the hybrid that `save_pretrained()` writes.
@@ -35,7 +36,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     by `dsjax convert` (Orbax) is read layer by layer straight onto the devices: onto `mesh` (a
     jax Mesh with axes dp/ep/tp, or a spec such as "ep=8", see `dsjax.parallel`) each device receiving only
     its slice of each array; a safetensors folder is loaded onto one device and then placed on `mesh`.
-    DeepSeek-V4.1 (either kind of folder) loads onto one device so far.
+    DeepSeek-V4.1 (either kind of folder) loads onto one device so far; `drafter=False` leaves its DSpark
+    stages (`mtp.*`) unread, for a run that does not draft.
     """
     check_choice("weights", weights, WEIGHTS)
     folder = os.fspath(path)
@@ -51,8 +53,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
         if mesh is not None:
             raise CheckpointError(f"{folder}: DeepSeek-V4.1 loads on one device so far (no mesh)")
         if converted.is_converted(folder):
-            return load_v41.load_converted_v41(folder, dtype, weights)
-        return load_v41.load_v41(folder, cfg_path, dtype, weights)
+            return load_v41.load_converted_v41(folder, dtype, weights, drafter)
+        return load_v41.load_v41(folder, cfg_path, dtype, weights, drafter)
     if isinstance(mesh, str):
         from dsjax.parallel.mesh import make_mesh
 

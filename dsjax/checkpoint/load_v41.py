@@ -25,16 +25,28 @@ from dsjax.model_v41 import DeepseekV41
 from dsjax.quant import dequantize_fp8
 
 
-def load_v41(folder: str, cfg_path: str, dtype=jnp.float32, weights: str = "keep") -> DeepseekV41:
+def load_v41(folder: str, cfg_path: str, dtype=jnp.float32, weights: str = "keep",
+             drafter: bool = True) -> DeepseekV41:
     """A DeepseekV41 from a release-layout folder (see `dsjax.load_model`, which calls this for V4.1
     configs). Release tensors dsjax does not use (`names_v41.KEPT_PREFIXES`) are kept as host arrays in
-    `model.kept_weights`."""
-    return _from_tensors(folder, V41Config.from_hf(cfg_path), iter_tensors(folder), cfg_path, dtype, weights)
+    `model.kept_weights`. `drafter=False` leaves DSpark's stages out (`without_drafter`)."""
+    return _from_tensors(folder, V41Config.from_hf(cfg_path), iter_tensors(folder), cfg_path, dtype, weights,
+                         drafter)
 
 
-def _from_tensors(folder: str, stored: V41Config, tensors, cfg_path: str, dtype, weights: str) -> DeepseekV41:
+def without_drafter(cfg: V41Config) -> V41Config:
+    """`cfg` without DSpark's stages: the model a run that does not draft loads (7.4 GiB less at V4.1-Flash's
+    sizes), its `mtp.*` tensors left unread."""
+    return cfg.replace(num_nextn_predict_layers=0)
+
+
+def _from_tensors(folder: str, stored: V41Config, tensors, cfg_path: str, dtype, weights: str,
+                  drafter: bool = True) -> DeepseekV41:
     """A DeepseekV41 from release tensors `(name, file, value)` of a checkpoint declaring `stored`."""
     cfg = stored if weights == "keep" else stored.replace(quantization=None)
+    if not drafter:
+        cfg = without_drafter(cfg)
+        tensors = ((name, file, value) for name, file, value in tensors if not names_v41.is_draft(name))
     token_map = _token_map(folder, cfg)
     graphdef, flat, targets = abstract_model_v41(cfg, dtype, token_map)
     arrays: dict[str, np.ndarray] = {}
@@ -61,20 +73,25 @@ def _from_tensors(folder: str, stored: V41Config, tensors, cfg_path: str, dtype,
     return _finish(graphdef, flat, cfg, token_map, kept)
 
 
-def load_converted_v41(folder: str, dtype=jnp.float32, weights: str = "keep") -> DeepseekV41:
+def load_converted_v41(folder: str, dtype=jnp.float32, weights: str = "keep", drafter: bool = True) -> DeepseekV41:
     """A DeepseekV41 from a `dsjax convert` folder (`converted.py`'s layout, keyed by dsjax path; the kept
     weights by release name), on one device. `weights="bf16"` over FP8/FP4 storage dequantizes as
-    `load_v41` does, from the release tensors the stored arrays are."""
+    `load_v41` does, from the release tensors the stored arrays are. `drafter=False` leaves DSpark's stages
+    out."""
     man = converted.read_manifest(folder)
     cfg_path = os.path.join(folder, "config.json")
     stored = V41Config.from_hf(cfg_path)
     if weights == "bf16" and stored.quantization is not None:
-        keep = load_converted_v41(folder, dtype, "keep")
-        return _from_tensors(folder, stored, ((n, folder, v) for n, v in release_tensors(keep)), cfg_path, dtype,
+        keep = load_converted_v41(folder, dtype, "keep", drafter)
+        return _from_tensors(folder, keep.cfg, ((n, folder, v) for n, v in release_tensors(keep)), cfg_path, dtype,
                              weights)
     token_map = _token_map(folder, stored)
+    if not drafter:
+        stored = without_drafter(stored)
     graphdef, flat, targets = abstract_model_v41(stored, dtype, token_map)
     pieces = converted.pieces_of(man)
+    if not drafter:
+        pieces = {k: p for k, p in pieces.items() if not names_v41.is_draft(p.hf)}
     kept = {k: p for k, p in pieces.items() if names_v41.is_kept(p.hf)}
     converted.fill(folder, {k: p for k, p in pieces.items() if k not in kept}, flat, targets)
     return _finish(graphdef, flat, stored, token_map, converted.read_whole(folder, list(kept.values())))

@@ -62,6 +62,11 @@ def strip_prefix(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
+def is_draft(name: str) -> bool:
+    """Whether a tensor (release name) or variable (dsjax path) is one of DSpark's stages (`mtp.S.*`)."""
+    return strip_prefix(name).startswith("mtp.")
+
+
 def is_kept(name: str) -> bool:
     return strip_prefix(name).startswith(KEPT_PREFIXES)
 

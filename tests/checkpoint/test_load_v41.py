@@ -299,6 +299,29 @@ def test_dspark_stages_load_and_save_back_as_read(tmp_path):
             np.testing.assert_array_equal(written[name].astype(np.float32), read[name].astype(np.float32), name)
 
 
+def test_a_run_that_does_not_draft_leaves_the_stages_unread(tmp_path):
+    """`load_model(drafter=False)`, from release tensors and from a `dsjax convert` folder: no stages on the device,
+    a config without them, and the backbone's variables those of the whole load, byte for byte."""
+    from dsjax.checkpoint.convert import convert
+
+    cfg = QCFG.replace(num_nextn_predict_layers=2, compress_ratios=QCFG.compress_ratios + (0, 0),
+                       dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=8, dspark_n_routed_experts=4,
+                       dspark_num_experts_per_tok=3)
+    src = tmp_path / "src"
+    write_synthetic_v41(src, cfg, seed=3)
+    whole = dsjax.load_model(src)
+    convert(str(src), str(tmp_path / "converted"))
+    for folder in (src, tmp_path / "converted"):
+        model = dsjax.load_model(folder, drafter=False)
+        assert model.mtp is None and model.cfg.num_nextn_predict_layers == 0, folder
+        mine = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        theirs = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(whole, nnx.Param))
+                  if p[0] != "mtp"}
+        assert mine.keys() == theirs.keys() and mine
+        for p in mine:
+            assert mine[p].tobytes() == theirs[p].tobytes(), (folder, p)
+
+
 def test_image_encoder_tensors_in_a_text_only_config_are_refused(quant_folder, tmp_path):
     """The image encoder runs in dsjax (it is no longer kept aside): its tensors in a checkpoint whose config
     has no vision_config belong to no parameter, and the error names one."""
