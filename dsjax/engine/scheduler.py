@@ -179,6 +179,8 @@ class _Drafting:
     confidences as last read, and the acceptance counts."""
 
     def __init__(self, engine: Engine, acceptance: Acceptance | None):
+        if len(engine.widths) > 1 and engine.width_seconds is None:  # before the run's cache takes the memory
+            engine.measure_widths()
         self.engine = engine
         self.acceptance = acceptance
         self.state = None  # made with the cache, at the first prefill

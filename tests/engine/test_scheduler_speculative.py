@@ -93,11 +93,14 @@ def test_greedy_with_dspark_gives_what_greedy_without_does(model, engine):
 
 
 def test_the_width_is_chosen_each_step_from_the_confidences(model, monkeypatch):
-    """Every width compiled, chosen each step (here from equal step times: the widest, but for the steps where a
-    request's budget or the confidences say less), and the tokens still those of greedy decoding."""
+    """Every width compiled and chosen each step from the confidences and the widths' step times, which a run
+    measures first where no one did: equal times make the widest the best, drafts too dear make plain steps; the
+    tokens stay those of greedy decoding."""
     engine = Engine(model, BASE.replace(speculative="dspark"))
     assert engine.widths == (1, 2, 3, 4, 5, 6)
-    engine.width_seconds = np.full(6, 0.01)
+    measured = []
+    monkeypatch.setattr(Engine, "measure_widths", lambda self: measured.append(1) or setattr(
+        self, "width_seconds", np.full(6, 0.01)))  # a run measures the widths first where no one did
     chosen = []
     choose = Engine.width_for
     monkeypatch.setattr(Engine, "width_for", lambda self, c, a: chosen.append(choose(self, c, a)) or chosen[-1])
@@ -105,11 +108,12 @@ def test_the_width_is_chosen_each_step_from_the_confidences(model, monkeypatch):
     want = _generate(Engine(model, BASE), requests)
     got = _generate(engine, requests)
     assert {i: [e.token for e in evs] for i, evs in got.items()} == {i: [e.token for e in evs] for i, evs in want.items()}
-    assert set(chosen) == {6}
+    assert set(chosen) == {6} and measured == [1]
     engine.width_seconds = np.asarray([0.01, 1, 1, 1, 1, 1])  # drafts cost too much: plain steps
     chosen.clear()
     got = _generate(engine, requests[:2])
-    assert set(chosen) == {1}
+    assert set(chosen) == {1} and measured == [1]
+    assert [e.token for e in got[0]] == [e.token for e in want[0]]
 
 
 def test_a_sampled_requests_tokens_depend_on_its_seed_alone(engine):
