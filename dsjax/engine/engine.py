@@ -4,8 +4,10 @@ ahead of a run (`precompile`), in parallel and on a background thread, and kept 
 `decode` advances every active slot by one token; `prefill` fills the given slots from position 0,
 one fixed-size chunk at a time, so a prompt of any length runs through the same compiled chunk step.
 Both end in next-token logits for every slot, which the sampler program turns into `Sampled` rows
-(`engine/steps.py` holds the step functions). `Engine.precompile` builds every program a job can need
-before its first request, in parallel, so none is compiled mid-job.
+(`engine/steps.py` holds the step functions). With `RunConfig.speculative` "dspark", `speculate` takes
+decode's place: each slot's token and DSpark's drafts verified in one target step of a chosen width, the cache
+taken back past the rejected drafts and the next drafts proposed (`engine/speculative.py`). `Engine.precompile`
+builds every program a job can need before its first request, in parallel, so none is compiled mid-job.
 """
 
 from __future__ import annotations
@@ -326,9 +328,9 @@ class Engine:
 
     def measure_widths(self, repeats: int = 3) -> np.ndarray:
         """Each width's verification step time in seconds (`width_seconds`, `[k + 1]`, inf for widths not
-        compiled), timed on a cache of its own once the programs are built, or read from the program store where
-        this engine's were measured before (the same key as its programs, so any change measures again). The
-        cache is freed before it returns."""
+        compiled), timed on a cache of its own once the programs are built (its rows idle: a step's shapes, not its
+        rows, set its time), or read from the program store where this engine's were measured before (the same key
+        as its programs, so any change measures again). The cache is freed before it returns."""
         k = self.cfg.dspark_block_size
         key = None
         if self.programs is not None and jax.process_count() == 1:
