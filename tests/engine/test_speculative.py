@@ -228,15 +228,6 @@ def drafting():
     return model, prompts
 
 
-def test_greedy_with_dspark_gives_the_tokens_of_greedy_without(drafting):
-    """Random weights: DSpark's drafts are mostly rejected, each step taking the cache back to one token."""
-    model, prompts = drafting
-    steps, max_len = 24, 48
-    want = _greedy_plain(model, prompts, steps, max_len)
-    got, _ = _greedy_speculative(model, prompts, steps, max_len)
-    np.testing.assert_array_equal(got, want)
-
-
 def test_greedy_with_drafts_often_right_gives_the_same_tokens(drafting):
     """Drafts that are the right tokens but for random corruptions, and random draft counts a step (0 … k): every
     count of kept drafts happens, and the tokens are still those of plain greedy decoding."""
