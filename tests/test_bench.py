@@ -175,7 +175,7 @@ def test_run_bench_refuses_recompilation(tiny, monkeypatch):
     """A measured run that compiled anything is an error (the runs themselves are stubbed here: the
     CLI test runs them for real). The engine has a slot per sequence, each of exactly its tokens."""
     runs = []
-    monkeypatch.setattr(B, "_timed_run", lambda engine, requests: runs.append(
+    monkeypatch.setattr(B, "_timed_run", lambda engine, requests, acceptance=None: runs.append(
         (len(requests), engine.run)) or (1.0, 1.0, 1))
     calls = iter(range(100))
     monkeypatch.setattr(Engine, "compilations", staticmethod(lambda: next(calls)))
