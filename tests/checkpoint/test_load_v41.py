@@ -272,13 +272,18 @@ def test_dspark_tensors_in_a_config_without_stages_are_refused(quant_folder, tmp
         dsjax.load_model(src)
 
 
+def _with_stages():
+    """The quantized test config with two DSpark stages (FP8 projections, FP4 experts, bf16 heads)."""
+    return QCFG.replace(num_nextn_predict_layers=2, compress_ratios=QCFG.compress_ratios + (0, 0),
+                        dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=8, dspark_n_routed_experts=4,
+                        dspark_num_experts_per_tok=3)
+
+
 def test_dspark_stages_load_and_save_back_as_read(tmp_path):
     """A release checkpoint with two DSpark stages (FP8 projections, FP4 experts, bf16 heads): every `mtp.*`
     tensor of the spec's list loads into the model's stages and is written back, the quantized ones byte for byte
     and the float ones with their values (in the model's dtype, as every float weight)."""
-    cfg = QCFG.replace(num_nextn_predict_layers=2, compress_ratios=QCFG.compress_ratios + (0, 0),
-                       dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=8, dspark_n_routed_experts=4,
-                       dspark_num_experts_per_tok=3)
+    cfg = _with_stages()
     src = tmp_path / "src"
     write_synthetic_v41(src, cfg, seed=3)
     model = dsjax.load_model(src)
@@ -304,9 +309,7 @@ def test_a_run_that_does_not_draft_leaves_the_stages_unread(tmp_path):
     a config without them, and the backbone's variables those of the whole load, byte for byte."""
     from dsjax.checkpoint.convert import convert
 
-    cfg = QCFG.replace(num_nextn_predict_layers=2, compress_ratios=QCFG.compress_ratios + (0, 0),
-                       dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=8, dspark_n_routed_experts=4,
-                       dspark_num_experts_per_tok=3)
+    cfg = _with_stages()
     src = tmp_path / "src"
     write_synthetic_v41(src, cfg, seed=3)
     whole = dsjax.load_model(src)
