@@ -49,8 +49,8 @@ _RUN_FLAGS = {
                     "(greedy: the same tokens as off; sampling: the same distribution); the summary gives the "
                     "acceptance"),
     "drafts": ("--drafts", dict(type=lambda t: _drafts(t), metavar="N|auto"),
-               "with --speculative dspark, the drafts verified per request a step; auto (default): chosen each step "
-               "from the drafter's confidence and the step times measured at start"),
+               "with --speculative dspark, the drafts verified per request a step; auto (default): 0, 2 or all, chosen "
+               "each step from the drafter's confidence and the step times measured at start"),
 }
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
 # For the commands that compile the engine's steps; those of V4.1's prefill and speculative decoding only where the

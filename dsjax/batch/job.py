@@ -254,9 +254,9 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                             seconds = engine.measure_widths()
                             phase["measure_widths"] = time.perf_counter() - t
                             phase["width_seconds"] = [round(float(x), 6) for x in seconds]
-                            say(f"verification step at widths 1-{len(seconds)}: "
-                                + ", ".join(f"{1e3 * x:.1f}" for x in seconds) + f" ms "
-                                f"({phase['measure_widths']:.1f} s to measure or read)")
+                            say("verification step at widths " + ", ".join(
+                                f"{w}: {1e3 * seconds[w - 1]:.1f} ms" for w in engine.widths)
+                                + f" ({phase['measure_widths']:.1f} s to measure or read)")
 
                     try:
                         def working() -> float:  # seconds of the loop so far, less jax's compiling in it

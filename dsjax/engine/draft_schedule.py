@@ -14,6 +14,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def auto_widths(max_drafts: int) -> tuple[int, ...]:
+    """The widths `--drafts auto` compiles and chooses among: a plain step, every draft, and one between. Each
+    width is a target pass and a take-back of its own (the largest programs a job compiles), so every width of the
+    block would double a first run's start-up; the expected tokens of the widths left out lie between those of
+    their neighbours."""
+    return tuple(sorted({1, (max_drafts + 2) // 2, max_drafts + 1}))
+
+
 def expected_tokens(confidence_bk: np.ndarray, active_b: np.ndarray) -> np.ndarray:
     """`[k + 1]`: the tokens the active rows emit in expectation at each width w = 1 … k + 1."""
     a_bk = np.cumprod(np.clip(np.asarray(confidence_bk, np.float64), 0.0, 1.0), axis=1)

@@ -31,7 +31,7 @@ from flax import nnx
 from dsjax.cache import Cache, init_cache
 from dsjax.engine import encoder, speculative, steps
 from dsjax.engine.compiles import BACKGROUND_THREAD
-from dsjax.engine.draft_schedule import choose_width
+from dsjax.engine.draft_schedule import auto_widths, choose_width
 from dsjax.engine.programs import ProgramStore, compile_for_store, describe
 from dsjax.engine.sampling import SAMPLER_MODES, Sampled, SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.slots import prefill_buckets, prefill_rows
@@ -96,7 +96,7 @@ class Engine:
         if self.drafting:
             speculative.check_drafting(self.cfg, run.drafts)
             k = self.cfg.dspark_block_size
-            self.widths = tuple(range(1, k + 2)) if run.drafts is None else (run.drafts + 1,)
+            self.widths = auto_widths(k) if run.drafts is None else (run.drafts + 1,)
         self._target_jits = {w: functools.partial(steps.spec_target, self._static, w) for w in self.widths}
         self.width_seconds: np.ndarray | None = None
         # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing

@@ -35,3 +35,10 @@ def test_bad_times_are_refused():
         choose_width(np.full((2, 3), 0.5), np.ones(2, bool), np.asarray([1.0, 2.0]))
     with pytest.raises(ValueError, match="positive"):
         choose_width(np.full((2, 3), 0.5), np.ones(2, bool), np.asarray([1.0, 0.0, 2.0, 3.0]))
+
+
+def test_auto_compiles_a_plain_step_every_draft_and_one_between():
+    from dsjax.engine.draft_schedule import auto_widths
+
+    assert auto_widths(5) == (1, 3, 6) and auto_widths(1) == (1, 2) and auto_widths(0) == (1,)
+    assert auto_widths(4) == (1, 3, 5)
