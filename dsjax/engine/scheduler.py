@@ -116,6 +116,8 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
                     yield from _read(slots, inflight, cancelled, timer, drafts)
                     inflight = None
                 if cache is None:
+                    if drafts is not None:
+                        drafts.ready()
                     cache = engine.new_cache()
                 with timer:
                     cache, events = _prefill(engine, cache, slots, new, drafts)
@@ -179,13 +181,17 @@ class _Drafting:
     confidences as last read, and the acceptance counts."""
 
     def __init__(self, engine: Engine, acceptance: Acceptance | None):
-        if len(engine.widths) > 1 and engine.width_seconds is None:  # before the run's cache takes the memory
-            engine.measure_widths()
         self.engine = engine
         self.acceptance = acceptance
         self.state = None  # made with the cache, at the first prefill
         self.confidence = np.zeros((engine.num_slots, engine.cfg.dspark_block_size), np.float32)
         self._width = None  # of the step dispatched last
+
+    def ready(self) -> None:
+        """Before the run's cache is made (and after whatever the first requests set off, a job's `precompile`):
+        the widths' step times measured where no one did, on a cache of the engine's own."""
+        if len(self.engine.widths) > 1 and self.engine.width_seconds is None:
+            self.engine.measure_widths()
 
     def prefill(self, cache, slots: "_Slots", new: list[tuple[int, Request]], prompts, spliced, pad):
         """The prefill with the prompts' context keys written; the drafts are proposed once the first tokens
