@@ -150,7 +150,13 @@ def new_state(model, num_slots: int) -> DraftState:
 
 def write_context(model, rings: tuple, features_bcf: jax.Array, start_b: jax.Array, n_b: jax.Array) -> tuple:
     """The rings with the context keys of target tokens at positions start … start + n − 1 written, from their
-    features (`DeepseekV41.extend`'s `record["features"]`)."""
+    features (`DeepseekV41.extend`'s `record["features"]`). Of a chunk longer than the window (a prefill's), only
+    the last window's positions are projected: the ring keeps no others."""
+    window = rings[0].shape[1]
+    if features_bcf.shape[1] > window:
+        skip_b = jnp.maximum(n_b - window, 0)
+        features_bcf = jnp.take_along_axis(features_bcf, (skip_b[:, None] + jnp.arange(window))[..., None], axis=1)
+        start_b, n_b = start_b + skip_b, jnp.minimum(n_b, window)
     positions = start_b[:, None] + jnp.arange(features_bcf.shape[1])[None, :]
     keys = dspark.context_keys(model.mtp, dspark.main_states(model.mtp, features_bcf), positions)
     return tuple(write_window(ring, k.astype(ring.dtype), start_b, n_b) for ring, k in zip(rings, keys))

@@ -237,3 +237,22 @@ def test_greedy_with_drafts_often_right_gives_the_same_tokens(drafting):
     got, kept = _greedy_speculative(model, prompts, steps, max_len, oracle=want)
     np.testing.assert_array_equal(got, want[:, :steps])
     assert set(kept) >= {0, 1, 2, 3}, sorted(set(kept))
+
+
+def test_a_long_chunks_context_keys_are_those_of_its_last_window(drafting):
+    """A chunk longer than the window projects only its last window's positions; the rings are those of writing
+    every position (rows of several lengths, one shorter than the window, one empty)."""
+    model, _ = drafting
+    w = model.cfg.sliding_window
+    rng = np.random.default_rng(2)
+    features = jnp.asarray(rng.normal(size=(4, 3 * w, len(model.cfg.dspark_target_layer_ids) * model.cfg.hidden_size)),
+                           jnp.float32)
+    start, n = jnp.asarray([0, 5, 17, 3], jnp.int32), jnp.asarray([3 * w, w + 3, w - 2, 0], jnp.int32)
+    rings = speculative.new_state(model, 4).rings
+    got = _context(model, rings, features, start, n)
+    want = rings
+    for i in range(3):  # the same chunk a window at a time: every position projected
+        part = jnp.clip(n - i * w, 0, w)
+        want = _context(model, want, features[:, i * w:(i + 1) * w], start + i * w, part)
+    for g, r in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
