@@ -104,7 +104,8 @@ class RunConfig:
                 raise RunConfigError(f"drafts must be an integer of at least 0 (or None: chosen each step), "
                                      f"got {self.drafts!r}")
             if self.speculative == "off":
-                raise RunConfigError(f"drafts={self.drafts} needs speculative decoding (speculative='dspark')")
+                raise RunConfigError(f"drafts {self.drafts} needs speculative decoding: speculative 'dspark' "
+                                     "(--speculative dspark)")
         check_choice("kv_dtype", self.kv_dtype, KV_DTYPES, none="dtype")
         if self.mesh is not None:
             if not isinstance(self.mesh, str):

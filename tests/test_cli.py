@@ -180,3 +180,8 @@ def test_drafts_take_a_count_or_auto():
     assert _drafts("auto") is None and _drafts("3") == 3
     with pytest.raises(argparse.ArgumentTypeError, match="number of drafts or 'auto'"):
         _drafts("many")
+
+
+def test_drafts_without_speculative_decoding_name_both_flags(capsys):
+    assert main(["generate", "--model", "m", "--input", "i.jsonl", "--output", "o.jsonl", "--drafts", "2"]) == 2
+    assert "--drafts 2 needs speculative decoding" in capsys.readouterr().err

@@ -188,7 +188,7 @@ def test_drafting_needs_draft_stages_and_a_draft_count_within_the_block(model):
         Engine(plain, BASE.replace(speculative="dspark"))
     with pytest.raises(ValueError, match="drafts at most 5"):
         Engine(model, BASE.replace(speculative="dspark", drafts=6))
-    with pytest.raises(RunConfigError, match="drafts=2 needs speculative decoding"):
+    with pytest.raises(RunConfigError, match="drafts 2 needs speculative decoding"):
         BASE.replace(drafts=2)
     with pytest.raises(RunConfigError, match="drafts must be an integer"):
         BASE.replace(speculative="dspark", drafts=-1)
