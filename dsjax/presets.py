@@ -233,6 +233,44 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The trained small V4.1 (`dsjax/embedded/model_v41/`, `scripts/train_tiny_v41.py`): tiny-v4.1's layer
+# schedule (4 encoder layers, 4 decoder layers) at the embedded V4 model's width and vocabulary, with three
+# DSpark stages on decoder layers 5-7. Rows of 512 tokens give the ratio-1 layers 512 entries, of which the
+# candidate pool keeps 8 blocks of 8 and the indexer 32. Engram's vocabulary is the embedded tokenizer's (6,767
+# compressed ids) and its pad the EOS. The noise token (id 2, a byte that never occurs in the corpus)
+# only ever enters DSpark's draft blocks.
+PRESETS["demo-v4.1"] = {
+    **PRESETS["tiny-v4.1"],
+    "image_token_id": 8183,
+    "text_config": {
+        **PRESETS["tiny-v4.1"]["text_config"],
+        "vocab_size": 8192,
+        "hidden_size": 192,
+        "q_lora_rank": 96,
+        "o_lora_rank": 64,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
+                         "original_max_position_embeddings": 512},
+        "moe_intermediate_size": 128,
+        "sliding_window": 64,
+        "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0],
+        "index_topk": 32,
+        "candidate_topk_blocks": 8,
+        "engram_num_embeddings": [8058, 8184],
+        "engram_max_ngram_size": 3,
+        "engram_vocab_size": 2000,
+        "engram_head_dim": 32,
+        "engram_pad_token_id": 1,
+        "engram_compressed_vocab_size": 6767,
+        "num_nextn_predict_layers": 3,
+        "dspark_block_size": 5,
+        "dspark_noise_token_id": 2,
+        "dspark_target_layer_ids": [5, 6, 7],
+        "dspark_markov_rank": 32,
+        "dspark_n_routed_experts": 4,
+        "dspark_num_experts_per_tok": 2,
+    },
+}
+
 # The tiny preset at the shapes the decode kernels tile (16 query heads, 128-wide K=V rows with a 64-wide
 # rotary slice, 16 index heads of 64): for tests and exports that must run through the kernels.
 PRESETS["tiny-kernels"] = {**PRESETS["tiny"], "num_attention_heads": 16, "head_dim": 128,

@@ -1,13 +1,15 @@
-"""Train the embedded default model and write it in DeepSeek's original checkpoint format.
+"""Train the embedded default model (or the small V4.1 and its DSpark drafter) and write it in DeepSeek's format.
 
     python scripts/train_tiny.py --out dsjax/embedded/model
+    python scripts/train_tiny.py --preset demo-v4.1 --drafter-steps 1500 --out dsjax/embedded/model_v41
 
 Steps: derive the tokenizer from DeepSeek-V4's (`dsjax.training.tokenizer`), render the Python
-standard library as chat conversations (`dsjax.training.corpus`), train the `demo` preset from the
-seed (`dsjax.training.train`), store the weights in bf16 under the original names, reload them from
+standard library as chat conversations (`dsjax.training.corpus`), train the preset from the
+seed (`dsjax.training.train`), for a V4.1 preset then train its DSpark stages against the frozen target
+(`dsjax.training.dspark`), store the weights in bf16 under the release's names, reload them from
 disk and measure the held-out loss twice: with the training code (no cache) and through the
-inference path (prefill + cached decode). Writes `tokenizer.json`, `config.json`, the safetensors,
-`heldout.npy`, `train_log.jsonl`, `metrics.json` and `README.md` into `--out`.
+inference path (prefill + cached decode), and the drafter's held-out figures. Writes `tokenizer.json`,
+`config.json`, the safetensors, `heldout.npy`, `train_log.jsonl` and `metrics.json` into `--out`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stdlib", help="Python standard library folder (default: this interpreter's)")
     ap.add_argument("--max-shard-mb", type=float, default=12.0, help="safetensors shard size limit")
     ap.add_argument("--corpus-only", action="store_true", help="stop after writing the tokenizer and corpus")
+    ap.add_argument("--drafter-steps", type=int, default=0,
+                    help="a V4.1 preset: then train the DSpark stages this many steps against the frozen target")
+    ap.add_argument("--drafter-learning-rate", type=float, default=1e-3)
+    ap.add_argument("--anchors", type=int, default=32, help="draft blocks per training row")
     args = ap.parse_args(argv)
 
     import jax
@@ -54,18 +60,30 @@ def main(argv: list[str] | None = None) -> int:
 
     import dsjax
     from dsjax.checkpoint.save import save_model
+    from dsjax.checkpoint.save_v41 import save_v41
     from dsjax.config import ModelConfig
+    from dsjax.config_v41 import V41Config, is_v41
     from dsjax.engine.scoring import teacher_forced_logprobs
+    from dsjax.engram_hash import tokenizer_token_map
+    from dsjax.presets import PRESETS
     from dsjax.training.corpus import build_corpus
+    from dsjax.training.dspark import DraftLossWeights, evaluate_drafter, train_drafter
     from dsjax.training.loss import evaluate, unigram_entropy
     from dsjax.training.tokenizer import write_tokenizer
     from dsjax.training.train import TrainConfig, cast_like, train
 
     out = args.out
+    v41 = is_v41(PRESETS.get(args.preset, {}))
+    cfg = V41Config.preset(args.preset) if v41 else ModelConfig.preset(args.preset)
+    if args.drafter_steps and not (v41 and cfg.num_nextn_predict_layers):
+        ap.error(f"--drafter-steps: preset {args.preset!r} has no DSpark stages to train")
     os.makedirs(out, exist_ok=True)
-    cfg = ModelConfig.preset(args.preset)
     tok_path = os.path.join(out, "tokenizer.json")
     write_tokenizer(tok_path, cfg.vocab_size)
+    token_map = None
+    if v41 and cfg.engram_layer_ids:
+        with open(tok_path) as f:
+            token_map = tokenizer_token_map(json.load(f))[0]
     log_path = os.path.join(out, "train_log.jsonl")
     log_file = open(log_path, "w")
 
@@ -94,11 +112,22 @@ def main(argv: list[str] | None = None) -> int:
                      seed=args.seed, eval_every=args.eval_every)
     log({"train_config": dataclasses.asdict(tc), "preset": args.preset, "devices": str(jax.devices())})
     t_train = time.perf_counter()
-    model = train(cfg, tc, train_rows, heldout, log)
+    model = train(cfg, tc, train_rows, heldout, log, token_map=token_map)
     train_seconds = time.perf_counter() - t_train
+    drafter_seconds = None
+    if args.drafter_steps:
+        dc = dataclasses.replace(tc, steps=args.drafter_steps, learning_rate=args.drafter_learning_rate)
+        weights = DraftLossWeights(anchors=args.anchors)
+        log({"drafter_config": dataclasses.asdict(dc), "loss_weights": dataclasses.asdict(weights)})
+        t_draft = time.perf_counter()
+        model = train_drafter(model, dc, train_rows, heldout, weights, log)
+        drafter_seconds = round(time.perf_counter() - t_draft, 1)
 
-    save_model(cast_like(model, jnp.bfloat16), out, max_shard_bytes=int(args.max_shard_mb * 2**20),
-               naming="original")
+    shard_bytes = int(args.max_shard_mb * 2**20)
+    if v41:
+        save_v41(cast_like(model, jnp.bfloat16), out, max_shard_bytes=shard_bytes)
+    else:
+        save_model(cast_like(model, jnp.bfloat16), out, max_shard_bytes=shard_bytes, naming="original")
     shipped = dsjax.load_model(out)  # what users get: bf16 weights read back in fp32
     training_ce = evaluate(shipped, heldout)
     prefill = args.seq_len // 4
@@ -110,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_rows": list(heldout.shape), "inference_path_prefill_tokens": prefill,
         "train_seconds": round(train_seconds, 1), "train_tokens": tc.steps * tc.batch_size * args.seq_len,
         "device": str(jax.devices()[0].device_kind), "commit": _commit(),
+        **({"drafter_seconds": drafter_seconds, **evaluate_drafter(shipped, heldout)} if args.drafter_steps else {}),
         "command": "python scripts/train_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     log({"final": metrics})

@@ -27,7 +27,7 @@ from dsjax.kernels.indexer.op import index_scores
 from dsjax.kernels.sparse_attention.op import sparse_decode, sparse_prefill
 from dsjax.layers.attention import Attention, attend_with_sinks, window_visible
 from dsjax.layers.compression import entry_visible
-from dsjax.layers.indexer import IndexerScorer
+from dsjax.layers.indexer import IndexerScorer, distillation_kl
 from dsjax.layers.linear import Linear
 from dsjax.layers.norms import RMSNorm
 from dsjax.layers.rope import apply_rope, rope_table
@@ -227,11 +227,15 @@ class CSA2Attention(Attention):
         kv_bsd = _round(kv_bsd, "mxfp8", rounding)
         visible_bsk = window_visible(positions_bs, positions_bs, cfg.sliding_window)
         if role.ratio:
+            latent = None
             if self.compressor is not None:
-                entries, keys = self._entry_rows(self.compressor(x_bsh), jnp.zeros((x_bsh.shape[0],), jnp.int32))
+                latent = self.compressor(x_bsh)
+                entries, keys = self._entry_rows(latent, jnp.zeros((x_bsh.shape[0],), jnp.int32))
                 shared = Shared(entries_btd=entries, keys_btc=keys)
             if self.indexer is not None:
                 score_bst = self.indexer.scores(x_bsh, q_res_bsr, positions_bs, shared.keys_btc, rounding)
+                if record is not None:
+                    record["indexer_kl"] = self._indexer_kl(x_bsh, q_res_bsr, positions_bs, q_bshd, latent, shared)
                 shared = self.indexer.select(score_bst, positions_bs, shared)
                 if record is not None and (role.candidate_source or role.uses_candidates):
                     pool_bst = candidate_mask(shared.candidates_bsn, score_bst.shape[-1], cfg.candidate_block_size)
@@ -249,6 +253,22 @@ class CSA2Attention(Attention):
             visible_bsk = jnp.concatenate([visible_bsk, picked_mask(shared.picks_bsk, entries.shape[1])], axis=-1)
         o_bshd = attend_with_sinks(q_bshd, kv_bsd, visible_bsk, self.sinks[...], cfg.head_dim ** -0.5)
         return self.project_out(o_bshd, cos_h, sin_h), shared
+
+    def _indexer_kl(self, x_bsh, q_res_bsr, positions_bs, q_bshd, latent_btd, shared: Shared) -> jax.Array:
+        """The indexer's distillation loss (`indexer.distillation_kl`) over the entries its picks come from (the
+        candidate pool, where the layer picks inside one), on detached inputs: only the indexer learns, and a
+        Full layer's own key projection with it (another layer's keys arrive detached)."""
+        sg, role = jax.lax.stop_gradient, self.role
+        if latent_btd is not None:
+            pos_bt = jnp.arange(latent_btd.shape[1])[None, :] * role.ratio
+            keys_btc = self.indexer.keys(sg(latent_btd), pos_bt, self.cache_rounding)
+        else:
+            keys_btc = sg(shared.keys_btc)
+        score_bst = self.indexer.scores(sg(x_bsh), sg(q_res_bsr), positions_bs, keys_btc, self.cache_rounding)
+        visible_bst = score_bst > -jnp.inf
+        if role.uses_candidates:
+            visible_bst &= candidate_mask(shared.candidates_bsn, score_bst.shape[-1], self.cfg.candidate_block_size)
+        return distillation_kl(score_bst, visible_bst, q_bshd, shared.entries_btd, self.cfg.head_dim ** -0.5)
 
     def write_source(self, x_bch: jax.Array, start_b: jax.Array, n_valid_b: jax.Array,
                      cache: LayerCache) -> LayerCache:

@@ -80,22 +80,11 @@ class Indexer(Compressor):
         return Selection(idx_bck=idx_bck), state
 
     def distillation_loss(self, x_bsh, q_res_bsr, positions_bs, q_bshd, entries_btd, scale: float) -> jax.Array:
-        """The indexer's training objective (DeepSeek-V3.2's DSA): KL(target ‖ softmax(index scores)) over
-        the visible entries, mean over queries that see any. The target is the main attention's head-mean
-        distribution over the same entries. Inputs and target are detached, so only the indexer learns."""
+        """The indexer's training objective (`distillation_kl`) on its own scores of detached inputs, so only
+        the indexer learns."""
         sg = jax.lax.stop_gradient
         score_bst, visible_bst = self.scores(sg(x_bsh), sg(q_res_bsr), positions_bs)
-        logits_bhst = einsum("bshd,btd->bhst", sg(q_bshd), sg(entries_btd)).astype(jnp.float32) * scale
-        logits_bhst = jnp.where(visible_bst[:, None], logits_bhst, -jnp.inf)
-        any_bs = jnp.any(visible_bst, axis=-1)
-        safe = any_bs[..., None]
-        target_bst = jnp.mean(jax.nn.softmax(jnp.where(safe[:, None], logits_bhst, 0.0), axis=-1), axis=1)
-        log_q_bst = jax.nn.log_softmax(jnp.where(safe, score_bst, 0.0), axis=-1)
-        log_q_bst = jnp.where(visible_bst, log_q_bst, 0.0)
-        terms = jnp.where(visible_bst & (target_bst > 0),
-                          target_bst * (jnp.log(jnp.where(target_bst > 0, target_bst, 1.0)) - log_q_bst), 0.0)
-        kl_bs = jnp.sum(terms, axis=-1)
-        return jnp.sum(jnp.where(any_bs, kl_bs, 0.0)) / jnp.maximum(jnp.sum(any_bs), 1)
+        return distillation_kl(score_bst, visible_bst, q_bshd, entries_btd, scale)
 
     def select(self, score_bst: jax.Array, visible: jax.Array) -> jax.Array:
         """Top `min(index_topk, T)` of each query's scores, restricted to visible entries."""
@@ -108,3 +97,23 @@ class Indexer(Compressor):
         picked = jax.vmap(jax.vmap(lambda row, idx: row.at[idx].set(True)))(picked, top_bsk)
         # Picks past the visible count (−inf scores) are dropped, as the reference turns them into −1.
         return picked & visible
+
+
+def distillation_kl(score_bst: jax.Array, visible_bst: jax.Array, q_bshd: jax.Array, entries_btd: jax.Array,
+                    scale: float) -> jax.Array:
+    """DeepSeek-V3.2's DSA indexer objective: KL(target ‖ softmax(index scores)) over the visible entries, mean
+    over queries that see any. The target, the main attention's head-mean distribution over the same entries,
+    is detached: the loss trains only what produced `score_bst`."""
+    sg = jax.lax.stop_gradient
+    logits_bhst = einsum("bshd,btd->bhst", sg(q_bshd), sg(entries_btd)).astype(jnp.float32) * scale
+    logits_bhst = jnp.where(visible_bst[:, None], logits_bhst, -jnp.inf)
+    any_bs = jnp.any(visible_bst, axis=-1)
+    safe = any_bs[..., None]
+    target_bst = jnp.mean(jax.nn.softmax(jnp.where(safe[:, None], logits_bhst, 0.0), axis=-1), axis=1)
+    score_bst = jnp.where(visible_bst, score_bst, -jnp.inf)
+    log_q_bst = jax.nn.log_softmax(jnp.where(safe, score_bst, 0.0), axis=-1)
+    log_q_bst = jnp.where(visible_bst, log_q_bst, 0.0)
+    terms = jnp.where(visible_bst & (target_bst > 0),
+                      target_bst * (jnp.log(jnp.where(target_bst > 0, target_bst, 1.0)) - log_q_bst), 0.0)
+    kl_bs = jnp.sum(terms, axis=-1)
+    return jnp.sum(jnp.where(any_bs, kl_bs, 0.0)) / jnp.maximum(jnp.sum(any_bs), 1)

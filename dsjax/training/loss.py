@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from dsjax.model import DeepseekV4
+from dsjax.model_v41 import DeepseekV41
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ def token_nll(logits_bsv: jax.Array, targets_bs: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, targets_bs[..., None], axis=-1)[..., 0]
 
 
-def training_loss(model: DeepseekV4, tokens_bs: jax.Array, weights: LossWeights = LossWeights()):
+def training_loss(model: DeepseekV4 | DeepseekV41, tokens_bs: jax.Array, weights: LossWeights = LossWeights()):
     """`(total, metrics)` for rows of `S` tokens: mean cross-entropy of predicting tokens 1…S−1, plus
     the weighted auxiliary losses summed over layers."""
     logits, per_layer = model.forward(tokens_bs[:, :-1], record=True)
@@ -43,11 +44,11 @@ def training_loss(model: DeepseekV4, tokens_bs: jax.Array, weights: LossWeights 
 
 
 @nnx.jit
-def _row_nll(model: DeepseekV4, tokens_bs: jax.Array) -> jax.Array:
+def _row_nll(model: DeepseekV4 | DeepseekV41, tokens_bs: jax.Array) -> jax.Array:
     return token_nll(model.forward(tokens_bs[:, :-1]), tokens_bs[:, 1:])
 
 
-def evaluate(model: DeepseekV4, rows: np.ndarray, batch_size: int = 8) -> float:
+def evaluate(model: DeepseekV4 | DeepseekV41, rows: np.ndarray, batch_size: int = 8) -> float:
     """Mean next-token cross-entropy (nats) over every predicted position of `rows [R, S]`, no cache."""
     rows = np.asarray(rows)
     total, count = 0.0, 0

@@ -1,7 +1,7 @@
 """The optimiser loop: AdamW on fp32 master weights, forward and backward in `compute_dtype`.
 
-Reproducible from the seed: initial weights, the hash-routing table and the row order all derive
-from it. The aux losses (indexer distillation, expert balance) are those of `training_loss`.
+Reproducible from the seed: initial weights, the hash-routing table, the row order and any sampling inside
+the loss all derive from it. The aux losses (indexer distillation, expert balance) are those of `training_loss`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import optax
 from flax import nnx
 
 from dsjax.config import ModelConfig
+from dsjax.config_v41 import V41Config
 from dsjax.model import DeepseekV4
+from dsjax.model_v41 import DeepseekV41
 from dsjax.training.loss import LossWeights, evaluate, training_loss
 
 
@@ -37,9 +39,21 @@ class TrainConfig:
     loss_weights: LossWeights = LossWeights()
 
 
-def init_model(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> DeepseekV4:
-    """Fresh weights from `seed`, with a hash-routing table that sends each token to k distinct experts."""
-    model = DeepseekV4(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+Model = DeepseekV4 | DeepseekV41
+# Everything but DSpark's stages: the target. The stages train afterwards against it frozen (`training.dspark`).
+TARGET = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("mtp")))
+
+
+def _model_class(cfg: ModelConfig | V41Config) -> type:
+    return DeepseekV41 if isinstance(cfg, V41Config) else DeepseekV4
+
+
+def init_model(cfg: ModelConfig | V41Config, seed: int, dtype=jnp.float32, token_map: np.ndarray | None = None
+               ) -> Model:
+    """Fresh weights from `seed` (either family), with a hash-routing table that sends each token to k distinct
+    experts; a V4.1 model's Engram hashes with `token_map` (the tokenizer's, `engram_hash.tokenizer_token_map`)."""
+    extra = {} if token_map is None else {"token_map": token_map}
+    model = _model_class(cfg)(cfg, rngs=nnx.Rngs(seed), dtype=dtype, **extra)
     rng = np.random.default_rng(seed)
     k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
     for path, var in nnx.to_flat_state(nnx.state(model)):
@@ -50,9 +64,9 @@ def init_model(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> DeepseekV4:
     return model
 
 
-def cast_like(model: DeepseekV4, dtype) -> DeepseekV4:
+def cast_like(model: Model, dtype) -> Model:
     """`model` with each weight in the dtype a model built with `dtype` gives it (fp32 ones stay fp32)."""
-    target = nnx.eval_shape(lambda: DeepseekV4(model.cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    target = nnx.eval_shape(lambda: _model_class(model.cfg)(model.cfg, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, abstract = nnx.split(target)
     state = jax.tree.map(lambda a, v: jnp.asarray(v).astype(a.dtype), abstract, nnx.state(model))
     return nnx.merge(graphdef, state)
@@ -67,39 +81,54 @@ def _optimizer(tc: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask))
 
 
-def train(cfg: ModelConfig, tc: TrainConfig, train_rows: np.ndarray, heldout_rows: np.ndarray,
-          log: Callable[[dict], None] = print) -> DeepseekV4:
-    """Train from scratch on `train_rows [N, S]`; logs a dict every `eval_every` steps and at the end."""
-    model = init_model(cfg, tc.seed)
-    compute = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(tc.compute_dtype)))
-    compute_graphdef, compute_params, _ = nnx.split(compute, nnx.Param, ...)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    dtypes = jax.tree.map(lambda a: a.dtype, compute_params)
+def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: TrainConfig, train_rows: np.ndarray,
+        evaluate_fn: Callable[[Model], dict], log: Callable[[dict], None] = print) -> Model:
+    """AdamW on the `trainable` weights of `model` (the rest frozen), forward and backward in `tc.compute_dtype`:
+    `loss(model, tokens [B,S], key) → (total, metrics)` on `tc.batch_size` rows drawn from `train_rows` each step.
+    Logs the mean metrics and `evaluate_fn(model)` every `eval_every` steps and at the end."""
+    cls = _model_class(model.cfg)
+    compute = nnx.eval_shape(lambda: cls(model.cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(tc.compute_dtype)))
+    compute_graphdef, compute_train, compute_frozen, _ = nnx.split(compute, trainable, nnx.Param, ...)
+    graphdef, params, frozen, rest = nnx.split(model, trainable, nnx.Param, ...)
+    dtypes = jax.tree.map(lambda a: a.dtype, compute_train)
+    frozen_compute = jax.tree.map(lambda x, a: jnp.asarray(x).astype(a.dtype), frozen, compute_frozen)
     tx = _optimizer(tc)
     opt_state = tx.init(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, rest, tokens):
+    def step(params, opt_state, frozen, rest, tokens, key):
         def loss_fn(p):
             p = jax.tree.map(lambda x, d: x.astype(d), p, dtypes)
-            return training_loss(nnx.merge(compute_graphdef, p, rest), tokens, tc.loss_weights)
+            return loss(nnx.merge(compute_graphdef, p, frozen, rest), tokens, key)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
     rng = np.random.default_rng(tc.seed)
+    key = jax.random.key(tc.seed)
     t0, tokens_seen, running = time.perf_counter(), 0, []
     for i in range(1, tc.steps + 1):
         batch = train_rows[rng.integers(0, len(train_rows), tc.batch_size)].astype(np.int32)
-        params, opt_state, metrics = step(params, opt_state, rest, jnp.asarray(batch))
+        params, opt_state, metrics = step(params, opt_state, frozen_compute, rest, jnp.asarray(batch),
+                                          jax.random.fold_in(key, i))
         tokens_seen += batch.size
         running.append(metrics)
         if i % tc.eval_every == 0 or i == tc.steps:
             host = jax.device_get(running)
             running = []
             entry = {"step": i, "tokens": tokens_seen, "seconds": round(time.perf_counter() - t0, 1)}
-            entry.update({k: round(float(np.mean([m[k] for m in host])), 4) for k in host[0]})
-            entry["heldout_ce"] = round(evaluate(nnx.merge(graphdef, params, rest), heldout_rows), 4)
+            for k in host[0]:
+                mean = np.mean([np.asarray(m[k], np.float64) for m in host], axis=0)
+                entry[k] = round(float(mean), 4) if mean.ndim == 0 else [round(float(x), 4) for x in mean]
+            entry.update(evaluate_fn(nnx.merge(graphdef, params, frozen, rest)))
             log(entry)
-    return nnx.merge(graphdef, params, rest)
+    return nnx.merge(graphdef, params, frozen, rest)
+
+
+def train(cfg: ModelConfig | V41Config, tc: TrainConfig, train_rows: np.ndarray, heldout_rows: np.ndarray,
+          log: Callable[[dict], None] = print, token_map: np.ndarray | None = None) -> Model:
+    """Train a model of `cfg` from scratch on `train_rows [N, S]` (a V4.1 model's DSpark stages excepted, which
+    keep their initial weights); logs a dict every `eval_every` steps and at the end."""
+    return fit(init_model(cfg, tc.seed, token_map=token_map), TARGET, lambda m, tokens, key: training_loss(m, tokens, tc.loss_weights),
+               tc, train_rows, lambda m: {"heldout_ce": round(evaluate(m, heldout_rows), 4)}, log)
