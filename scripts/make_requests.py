@@ -8,6 +8,10 @@ with thinking off and `temperature` 0.7, so every request samples and none is cu
 more often than the model makes one. With `--images W×H ...`, each request also carries one random picture
 (a PNG data URL, smooth colours plus noise) before its text, the sizes taken in turn: for models that
 read images.
+
+With `--stdlib-heldout`, the requests are instead the corpus's own kind of question about functions and classes
+of the standard library's modules the embedded models never trained on (`dsjax.training.corpus`), at
+temperature 0: for measuring what a trained model does, such as DSpark's acceptance.
 """
 
 from __future__ import annotations
@@ -55,6 +59,21 @@ def requests(count: int, model: str, words: int, max_tokens: int, seed: int,
                         "max_tokens": max_tokens, "temperature": 0.7, "thinking": {"type": "disabled"}}}
 
 
+def heldout_requests(count: int, model: str, max_tokens: int, seed: int, root: str | None = None):
+    """Greedy requests for `count` held-out stdlib examples, drawn by `seed` (their modules' order is the files')."""
+    from dsjax.training.corpus import conversation, split_examples, stdlib_root
+
+    examples = split_examples(root or stdlib_root())[0][True]
+    if len(examples) < count:
+        raise ValueError(f"--count {count}: the held-out modules have only {len(examples)} examples")
+    rng = random.Random(seed)
+    for i, ex in enumerate(rng.sample(examples, count)):
+        prompt, _ = conversation(ex, rng)
+        yield {"custom_id": f"heldout-{i}", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"model": model, "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": max_tokens, "temperature": 0.0, "thinking": {"type": "disabled"}}}
+
+
 def size(text: str) -> tuple[int, int]:
     """`W×H` or `WxH` → (W, H)."""
     try:
@@ -76,11 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--images", nargs="+", type=size, metavar="WxH",
                    help="one random picture per request, of these sizes in turn")
+    p.add_argument("--stdlib-heldout", action="store_true",
+                   help="greedy questions about held-out standard-library functions instead of random words")
     args = p.parse_args(argv)
     if args.count < 1 or args.words < 1 or args.max_tokens < 1:
         p.error("--count, --words and --max-tokens must be positive")
+    if args.stdlib_heldout and args.images:
+        p.error("--stdlib-heldout requests carry no pictures: leave out --images")
+    try:
+        made = list(heldout_requests(args.count, args.model, args.max_tokens, args.seed) if args.stdlib_heldout
+                    else requests(args.count, args.model, args.words, args.max_tokens, args.seed, args.images))
+    except ValueError as e:
+        p.error(str(e))
     with open(args.out, "w") as f:
-        for r in requests(args.count, args.model, args.words, args.max_tokens, args.seed, args.images):
+        for r in made:
             f.write(json.dumps(r) + "\n")
     pictures = f", each with a picture ({len(args.images)} sizes)" if args.images else ""
     print(f"{args.out}: {args.count} requests for {args.model!r}{pictures}")

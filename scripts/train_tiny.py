@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a V4.1 preset: then train the DSpark stages this many steps against the frozen target")
     ap.add_argument("--drafter-learning-rate", type=float, default=1e-3)
     ap.add_argument("--anchors", type=int, default=32, help="draft blocks per training row")
+    ap.add_argument("--target", help="a V4.1 model folder this script wrote: train only its DSpark stages "
+                                     "(with --drafter-steps), the rest of it frozen as it is")
     args = ap.parse_args(argv)
 
     import jax
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = V41Config.preset(args.preset) if v41 else ModelConfig.preset(args.preset)
     if args.drafter_steps and not (v41 and cfg.num_nextn_predict_layers):
         ap.error(f"--drafter-steps: preset {args.preset!r} has no DSpark stages to train")
+    if args.target and not args.drafter_steps:
+        ap.error("--target trains only the drafter: give --drafter-steps too")
     os.makedirs(out, exist_ok=True)
     tok_path = os.path.join(out, "tokenizer.json")
     write_tokenizer(tok_path, cfg.vocab_size)
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(tok_path) as f:
             token_map = tokenizer_token_map(json.load(f))[0]
     log_path = os.path.join(out, "train_log.jsonl")
-    log_file = open(log_path, "w")
+    log_file = open(log_path, "a" if args.target and os.path.samefile(args.target, out) else "w")
 
     def log(entry: dict) -> None:
         print(json.dumps(entry), flush=True)
@@ -112,8 +116,18 @@ def main(argv: list[str] | None = None) -> int:
                      seed=args.seed, eval_every=args.eval_every)
     log({"train_config": dataclasses.asdict(tc), "preset": args.preset, "devices": str(jax.devices())})
     t_train = time.perf_counter()
-    model = train(cfg, tc, train_rows, heldout, log, token_map=token_map)
-    train_seconds = time.perf_counter() - t_train
+    target_metrics = {}
+    if args.target:
+        model = dsjax.load_model(args.target)  # its weights as shipped (bf16), its stages included
+        if model.cfg != cfg:
+            ap.error(f"--target {args.target}: its config is not preset {args.preset!r}'s")
+        with open(os.path.join(args.target, "metrics.json")) as f:
+            target_metrics = json.load(f)
+        log({"target": args.target, "metrics": target_metrics})
+        train_seconds, train_tokens = target_metrics["train_seconds"], target_metrics["train_tokens"]
+    else:
+        model = train(cfg, tc, train_rows, heldout, log, token_map=token_map)
+        train_seconds, train_tokens = time.perf_counter() - t_train, tc.steps * tc.batch_size * args.seq_len
     drafter_seconds = None
     if args.drafter_steps:
         dc = dataclasses.replace(tc, steps=args.drafter_steps, learning_rate=args.drafter_learning_rate)
@@ -137,10 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_ce_inference_path": round(inference_ce, 5),
         "heldout_unigram_entropy": round(unigram_entropy(heldout, cfg.vocab_size), 5),
         "heldout_rows": list(heldout.shape), "inference_path_prefill_tokens": prefill,
-        "train_seconds": round(train_seconds, 1), "train_tokens": tc.steps * tc.batch_size * args.seq_len,
+        "train_seconds": round(train_seconds, 1), "train_tokens": train_tokens,
         "device": str(jax.devices()[0].device_kind), "commit": _commit(),
         **({"drafter_seconds": drafter_seconds, **evaluate_drafter(shipped, heldout)} if args.drafter_steps else {}),
         "command": "python scripts/train_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **({"target_command": target_metrics["command"], "target_commit": target_metrics["commit"],
+            "target_device": target_metrics["device"]} if target_metrics else {}),
     }
     log({"final": metrics})
     with open(os.path.join(out, "metrics.json"), "w") as f:

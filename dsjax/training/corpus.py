@@ -128,6 +128,18 @@ class Corpus:
     stats: dict
 
 
+def split_examples(root: str, heldout_every: int = 40) -> tuple[dict[bool, list[Example]], int]:
+    """The examples of every Python file under `root`, by whether their module is held out, and the file count."""
+    split: dict[bool, list[Example]] = {False: [], True: []}
+    n_files = 0
+    for module, path in module_files(root):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        n_files += 1
+        split[is_heldout(module, heldout_every)].extend(examples_in(module, text))
+    return split, n_files
+
+
 def build_corpus(tokenizer_path: str, seq_len: int, seed: int, root: str | None = None,
                  heldout_every: int = 40, max_heldout_rows: int = 16) -> Corpus:
     """Render, shuffle (by `seed`) and pack the stdlib's examples into rows of `seq_len` tokens."""
@@ -140,13 +152,7 @@ def build_corpus(tokenizer_path: str, seq_len: int, seed: int, root: str | None 
     encodings = {"v4.1": dr.DeepseekV41Encoding().with_tokenizer(tokenizer),
                  "v4": dr.DeepseekV4Encoding().with_tokenizer(tokenizer)}
     eos_id = tokenizer.encode(dr.SpecialToken.Eos.default_str())[0]
-    split: dict[bool, list[Example]] = {False: [], True: []}
-    n_files = 0
-    for module, path in module_files(root):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        n_files += 1
-        split[is_heldout(module, heldout_every)].extend(examples_in(module, text))
+    split, n_files = split_examples(root, heldout_every)
     if not split[False]:
         raise ValueError(f"no functions or classes found in the Python files under {root}")
     rng = random.Random(seed)

@@ -118,11 +118,13 @@ def _heldout_blocks(model: DeepseekV41, tokens_bs: jax.Array, anchors_ba: jax.Ar
     return block_losses(model, tokens_bs, anchors_ba)[1]
 
 
-def evaluate_drafter(model: DeepseekV41, rows: np.ndarray, anchors: int = 64, seed: int = 0,
+def evaluate_drafter(model: DeepseekV41, rows: np.ndarray, anchors: int | None = None, seed: int = 0,
                      batch_size: int = 8) -> dict:
-    """The drafter's held-out figures on `rows [R, S]` at fixed random anchors (`anchors` per row): draft
-    cross-entropy, mean expected keep rate per draft position and expected accepted length."""
+    """The drafter's held-out figures on `rows [R, S]` at fixed random anchors (`anchors` per row, default
+    min(64, S − 1)): draft cross-entropy, mean expected keep rate per draft position and expected accepted
+    length."""
     rows = np.asarray(rows, np.int32)
+    anchors = min(64, rows.shape[1] - 1) if anchors is None else anchors
     key = jax.random.key(seed)
     out = []
     for i in range(0, len(rows), batch_size):
