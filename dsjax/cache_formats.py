@@ -184,10 +184,26 @@ def _decode(values: jax.Array, scale: jax.Array, fmt: str, dim: int, dtype) -> j
 @functools.partial(jax.jit, static_argnames=("fmt", "saturate"))
 def quantize_dequantize(x, fmt: str, *, saturate: bool = True) -> jax.Array:
     """`x [..., dim]` through the cache format `fmt` and back, in x's dtype: NeMo's `quantize_cache` bit for
-    bit (`NEMO_ARGS[fmt]`). `saturate`: how an nvfp4 scale over 448 is cast (module doc)."""
-    x = jnp.asarray(x)
+    bit (`NEMO_ARGS[fmt]`), with its straight-through gradient (the rounding passes the gradient unchanged, so
+    what feeds a rounded cache still trains). `saturate`: how an nvfp4 scale over 448 is cast (module doc)."""
+    return _straight_through(jnp.asarray(x), fmt, saturate)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _straight_through(x: jax.Array, fmt: str, saturate: bool) -> jax.Array:
     values, scale, _, _ = _encode(x, fmt, saturate)
     return _decode(values, scale, fmt, x.shape[-1], x.dtype)
+
+
+def _straight_through_fwd(x, fmt, saturate):
+    return _straight_through(x, fmt, saturate), None
+
+
+def _straight_through_bwd(fmt, saturate, _, grad):
+    return (grad,)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "saturate"))

@@ -254,3 +254,15 @@ def test_bad_arguments():
         unpack(np.zeros((2, 287), np.uint8), "nvfp4", dim=512)
     with pytest.raises(ValueError, match="uint8"):
         unpack(np.zeros((2, 288), np.int8), "nvfp4")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_rounding_passes_the_gradient_straight_through(fmt):
+    """As NeMo's `quantize_cache`: the forward rounds, the backward is the identity, so what feeds a rounded cache
+    (keys, index queries) still trains."""
+    x = jnp.asarray(np.random.default_rng(0).normal(0, 2, (3, 64)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).normal(0, 1, (3, 64)), jnp.float32)
+    value, grad = jax.value_and_grad(lambda v: jnp.sum(quantize_dequantize(v, fmt) * w))(x)
+    assert float(value) == pytest.approx(float(jnp.sum(quantize_dequantize(x, fmt) * w)), rel=1e-6)
+    assert not np.array_equal(np.asarray(quantize_dequantize(x, fmt)), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(w))

@@ -102,3 +102,29 @@ def test_a_short_run_learns_a_repeating_text_and_casts_for_shipping():
     assert shipped.embed_tokens.weight[...].dtype == jnp.bfloat16
     assert shipped.layer(0).attn_hc.fn[...].dtype == jnp.float32  # mHC stays fp32, as the reference keeps it
     assert abs(evaluate(shipped, rows[20:]) - log[-1]["heldout_ce"]) < 0.05
+
+
+def test_v41_indexer_distillation_trains_only_the_csa2_indexers():
+    """V4.1's CSA2 indexers get the same distillation objective: cross-entropy gives them no gradient (top-k passes
+    none), the KL reaches every indexer's query side and the Full layers' key projections, and nothing else."""
+    from tests.helpers import dspark_model
+
+    model = dspark_model(seed=1)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(3, 250, (2, 40)), jnp.int32)
+    _, m = training_loss(model, tokens)
+    assert float(m["indexer_kl"]) > 0
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grad_fn = jax.jit(jax.grad(lambda p, w: training_loss(nnx.merge(graphdef, p, rest), tokens,
+                                                          LossWeights(w, 0.0))[0]))
+
+    def grads(w):
+        return {"/".join(map(str, k)): float(jnp.abs(v.get_value()).sum()) for k, v in
+                nnx.to_flat_state(grad_fn(params, w))}
+
+    ce_only = grads(0.0)
+    with_kl = grads(1.0)
+    indexer = [k for k in ce_only if "/indexer/" in k and not k.startswith("mtp")]
+    assert indexer and all(ce_only[k] == 0 for k in indexer)
+    moved = {k for k in ce_only if with_kl[k] != ce_only[k]}
+    assert moved and moved <= set(indexer)
+    assert any("q_b_proj" in k for k in moved) and any("k_proj" in k for k in moved)
