@@ -1,4 +1,5 @@
-"""The training objective: next-token cross-entropy plus the V4 auxiliary losses, and held-out evaluation.
+"""The training objective: next-token cross-entropy plus the auxiliary losses (the indexers' distillation, V4's
+lightning indexer and V4.1's CSA2 indexers alike, and the expert balance), and held-out evaluation.
 
 `evaluate` is the training code's held-out loss; `dsjax.engine.scoring` computes the same quantity
 through the inference path (chunked prefill and cached decode), and the two must agree.
@@ -19,7 +20,7 @@ from dsjax.model_v41 import DeepseekV41
 
 @dataclasses.dataclass(frozen=True)
 class LossWeights:
-    """`indexer`: weight of the lightning indexer's KL distillation loss (it only trains the indexer);
+    """`indexer`: weight of the indexers' KL distillation loss (it only trains the indexers);
     `balance`: weight of the sequence-wise expert balance loss of the top-k MoE layers."""
 
     indexer: float = 1.0
