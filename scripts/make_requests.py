@@ -97,13 +97,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="one random picture per request, of these sizes in turn")
     p.add_argument("--stdlib-heldout", action="store_true",
                    help="greedy questions about held-out standard-library functions instead of random words")
+    p.add_argument("--stdlib", help="with --stdlib-heldout: the standard library's folder (default: this Python's)")
     args = p.parse_args(argv)
     if args.count < 1 or args.words < 1 or args.max_tokens < 1:
         p.error("--count, --words and --max-tokens must be positive")
     if args.stdlib_heldout and args.images:
         p.error("--stdlib-heldout requests carry no pictures: leave out --images")
+    if args.stdlib and not args.stdlib_heldout:
+        p.error("--stdlib is the folder --stdlib-heldout reads: give --stdlib-heldout too")
     try:
-        made = list(heldout_requests(args.count, args.model, args.max_tokens, args.seed) if args.stdlib_heldout
+        made = list(heldout_requests(args.count, args.model, args.max_tokens, args.seed, args.stdlib)
+                    if args.stdlib_heldout
                     else requests(args.count, args.model, args.words, args.max_tokens, args.seed, args.images))
     except ValueError as e:
         p.error(str(e))

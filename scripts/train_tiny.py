@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                      seed=args.seed, eval_every=args.eval_every)
-    log({"train_config": dataclasses.asdict(tc), "preset": args.preset, "devices": str(jax.devices())})
+    log({"preset": args.preset, "devices": str(jax.devices()),
+         **({} if args.target else {"train_config": dataclasses.asdict(tc)})})
     t_train = time.perf_counter()
     target_metrics = {}
     if args.target:

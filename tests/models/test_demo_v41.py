@@ -42,7 +42,7 @@ def test_it_is_the_preset_in_release_names(model):
     with open(os.path.join(MODEL_DIR, "model.safetensors.index.json")) as f:
         names = json.load(f)["weight_map"]
     assert "mtp.2.markov_head.head.weight" in names and "mtp.0.main_proj.weight" in names
-    assert "layers.1.engram.k_weight" in names or any(n.startswith("layers.1.engram.") for n in names)
+    assert "layers.1.engram.embed.weight" in names and "layers.3.engram.k_weight" in names
 
 
 @pytest.mark.heavy

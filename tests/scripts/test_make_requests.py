@@ -48,3 +48,32 @@ def test_requests_carry_pictures_of_the_given_sizes(tmp_path):
     for bad in ("64", "0x10", "axb"):
         with pytest.raises(SystemExit):
             make.main([str(out), "--count", "1", "--images", bad])
+
+
+def test_heldout_requests_ask_about_held_out_modules_greedily(tmp_path):
+    """`--stdlib-heldout`: greedy questions about functions of the modules the corpus holds out (here of a small
+    source tree), drawn by the seed; more than the held-out modules hold, or pictures with them, are refused."""
+    from dsjax.training.corpus import is_heldout
+
+    root = tmp_path / "lib"
+    root.mkdir()
+    names = [f"mod{i}" for i in range(400)]
+    held = [n for n in names if is_heldout(n, 40)][:3]
+    for n in names[:30] + held:
+        (root / f"{n}.py").write_text(f'def first_{n}(x):\n    """Do one."""\n    return x\n\n\n'
+                                      f'def second_{n}(y):\n    """Do two."""\n    return y\n')
+    out = tmp_path / "in.jsonl"
+    args = [str(out), "--count", "6", "--stdlib-heldout", "--stdlib", str(root), "--max-tokens", "7", "--seed", "3"]
+    assert make.main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all(r["body"]["temperature"] == 0.0 and r["body"]["max_tokens"] == 7 for r in rows)
+    prompts = [r["body"]["messages"][0]["content"] for r in rows]
+    assert len(set(prompts)) == 6 and all(any(f"_{n}" in p and n in p for n in held) for p in prompts), prompts
+    again = tmp_path / "again.jsonl"
+    make.main([str(again)] + args[1:])
+    assert again.read_text() == out.read_text()
+    for bad in (["--count", "7"], ["--count", "2", "--images", "8x8"]):
+        with pytest.raises(SystemExit):
+            make.main([str(out), "--stdlib-heldout", "--stdlib", str(root)] + bad)
+    with pytest.raises(SystemExit):
+        make.main([str(out), "--count", "2", "--stdlib", str(root)])
