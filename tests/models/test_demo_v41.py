@@ -22,22 +22,15 @@ MODEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "models", "demo-
 
 
 @pytest.fixture(scope="module")
-def model():
-    return dsjax.load_model(MODEL_DIR)
-
-
-@pytest.fixture(scope="module")
-def heldout():
-    return np.load(os.path.join(MODEL_DIR, "heldout.npy")).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def metrics():
+def shipped():
+    """(model, held-out rows, metrics) as the folder holds them."""
     with open(os.path.join(MODEL_DIR, "metrics.json")) as f:
-        return json.load(f)
+        metrics = json.load(f)
+    return dsjax.load_model(MODEL_DIR), np.load(os.path.join(MODEL_DIR, "heldout.npy")).astype(np.int32), metrics
 
 
-def test_it_is_the_preset_in_release_names(model):
+def test_it_is_the_preset_in_release_names(shipped):
+    model = shipped[0]
     assert model.cfg == V41Config.preset("demo-v4.1")
     with open(os.path.join(MODEL_DIR, "model.safetensors.index.json")) as f:
         names = json.load(f)["weight_map"]
@@ -46,7 +39,8 @@ def test_it_is_the_preset_in_release_names(model):
 
 
 @pytest.mark.heavy
-def test_heldout_loss_through_prefill_and_cached_decode_equals_the_training_codes(model, heldout, metrics):
+def test_heldout_loss_through_prefill_and_cached_decode_equals_the_training_codes(shipped):
+    model, heldout, metrics = shipped
     rows = heldout[:4]
     training = evaluate(model, rows)
     inference = float(-teacher_forced_logprobs(model, rows, prefill_tokens=128).astype(np.float64).mean())
@@ -55,7 +49,8 @@ def test_heldout_loss_through_prefill_and_cached_decode_equals_the_training_code
 
 
 @pytest.mark.heavy
-def test_greedy_with_dspark_is_plain_greedy_and_the_drafts_are_mostly_kept(model, heldout):
+def test_greedy_with_dspark_is_plain_greedy_and_the_drafts_are_mostly_kept(shipped):
+    model, heldout, _ = shipped
     base = RunConfig(slots=4, max_len=160, chunk_size=64, dtype="float32")
     requests = [Request(i, tuple(int(t) for t in heldout[i, :40 + 16 * i]), SamplingParams(temperature=0.0,
                                                                                               max_tokens=48), 0,
