@@ -1,6 +1,6 @@
 """The trained small V4.1 (`models/demo-v4.1/`): its release-format checkpoint, its held-out loss through both
-paths, and DSpark on it: greedy decoding with the drafter gives exactly the tokens plain decoding gives, and the
-drafter's blocks are accepted far more often than chance."""
+paths, and DSpark on it: greedy decoding with the drafter gives exactly the tokens plain decoding gives (fp32), and
+the drafter's tokens are kept far more often than chance."""
 
 import json
 import os
@@ -49,7 +49,7 @@ def test_heldout_loss_through_prefill_and_cached_decode_equals_the_training_code
 
 
 @pytest.mark.heavy
-def test_greedy_with_dspark_is_plain_greedy_and_the_drafts_are_mostly_kept(shipped):
+def test_greedy_with_dspark_is_plain_greedy_and_the_drafter_beats_chance(shipped):
     model, heldout, _ = shipped
     base = RunConfig(slots=4, max_len=160, chunk_size=64, dtype="float32")
     requests = [Request(i, tuple(int(t) for t in heldout[i, :40 + 16 * i]), SamplingParams(temperature=0.0,
@@ -67,4 +67,5 @@ def test_greedy_with_dspark_is_plain_greedy_and_the_drafts_are_mostly_kept(shipp
     got = generate(Engine(model, base.replace(speculative="dspark", drafts=5)), acceptance)
     assert got == want
     figures = acceptance.summary()
-    assert figures["mean_accepted_length"] > 1.0, figures  # a random drafter keeps ~0 of 8,192-token drafts
+    # A random drafter's greedy drafts almost never match an 8,192-token argmax (1.0); this one's first does ~39%.
+    assert figures["mean_accepted_length"] > 1.2, figures
