@@ -74,8 +74,8 @@ def test_release_preset_values_are_the_spec_table():
 
 
 def test_unknown_preset_is_named():
-    with pytest.raises(ConfigError, match=r"unknown DeepSeek-V4.1 preset 'tiny'; choose from \['tiny-v4.1', "
-                                          r"'tiny-v4.1-vision', 'v4.1-flash'\]"):
+    with pytest.raises(ConfigError, match=r"unknown DeepSeek-V4.1 preset 'tiny'; choose from \['demo-v4.1', "
+                                          r"'tiny-v4.1', 'tiny-v4.1-vision', 'v4.1-flash'\]"):
         V41Config.preset("tiny")
 
 
