@@ -9,9 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-# The experts import tokamax on first use; inside the first trace that changes jax's tracing context once, so
-# the next call of the same jitted function would compile it again. Import it first, as `dsjax.engine` does.
-import tokamax  # noqa: F401
 from flax import nnx
 
 from dsjax.cache import init_cache, read_rows

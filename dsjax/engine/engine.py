@@ -99,9 +99,6 @@ class Engine:
             self.widths = auto_widths(k) if run.drafts is None else (run.drafts + 1,)
         self._target_jits = {w: functools.partial(steps.spec_target, self._static, w) for w in self.widths}
         self.width_seconds: np.ndarray | None = None
-        # The experts import tokamax on first use; doing it inside the first trace changes jax's tracing
-        # context once, so every step would be traced again by the next engine. Import it before.
-        import tokamax  # noqa: F401
 
     @property
     def num_slots(self) -> int:

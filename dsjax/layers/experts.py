@@ -51,6 +51,11 @@ class RoutedExperts(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        # The grouped matmul is tokamax's, whose import registers jax config options that are part of jax's
+        # tracing context: imported inside a program's first trace, it makes every jitted step trace and
+        # compile again on its second call. So it is imported when a model is built, before any trace.
+        import tokamax  # noqa: F401
+
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.cfg = cfg
         self.kernels = "auto"  # a run option (`dsjax.model.with_kernels`)

@@ -11,8 +11,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-# As in test_load_v41: the experts import tokamax on first use, which changes jax's tracing context once.
-import tokamax  # noqa: F401
 from flax import nnx
 from safetensors.numpy import save_file
 
