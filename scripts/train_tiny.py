@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--learning-rate", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--kernels", default="auto", choices=("auto", "reference", "interpret"),
+                    help="how training's forward runs its kernel-backed operations (auto: the platform's kernels)")
     ap.add_argument("--corpus", help="an .npz written by an earlier run's --save-corpus (skips rendering)")
     ap.add_argument("--save-corpus", help="also write the rendered corpus to this .npz")
     ap.add_argument("--stdlib", help="Python standard library folder (default: this interpreter's)")
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                     seed=args.seed, eval_every=args.eval_every)
+                     seed=args.seed, eval_every=args.eval_every, kernels=args.kernels)
     log({"preset": args.preset, "devices": str(jax.devices()),
          **({} if args.target else {"train_config": dataclasses.asdict(tc)})})
     t_train = time.perf_counter()

@@ -19,7 +19,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.config_v41 import V41Config
-from dsjax.model import DeepseekV4
+from dsjax.model import DeepseekV4, with_kernels
 from dsjax.model_v41 import DeepseekV41
 from dsjax.training.loss import LossWeights, evaluate, training_loss
 
@@ -37,6 +37,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 500
     loss_weights: LossWeights = LossWeights()
+    # How the forward's kernel-backed operations run, and so what is differentiated (`dsjax.run_config.KERNELS`).
+    kernels: str = "auto"
 
 
 Model = DeepseekV4 | DeepseekV41
@@ -87,7 +89,8 @@ def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: Train
     `loss(model, tokens [B,S], key) → (total, metrics)` on `tc.batch_size` rows drawn from `train_rows` each step.
     Logs the mean metrics and `evaluate_fn(model)` every `eval_every` steps and at the end."""
     cls = _model_class(model.cfg)
-    compute = nnx.eval_shape(lambda: cls(model.cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(tc.compute_dtype)))
+    compute = with_kernels(nnx.eval_shape(lambda: cls(model.cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(tc.compute_dtype))),
+                           tc.kernels)
     compute_graphdef, compute_train, compute_frozen, _ = nnx.split(compute, trainable, nnx.Param, ...)
     graphdef, params, frozen, rest = nnx.split(model, trainable, nnx.Param, ...)
     dtypes = jax.tree.map(lambda a: a.dtype, compute_train)
@@ -107,21 +110,27 @@ def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: Train
 
     rng = np.random.default_rng(tc.seed)
     key = jax.random.key(tc.seed)
-    t0, tokens_seen, running = time.perf_counter(), 0, []
+    t0, tokens_seen, running, timing = time.perf_counter(), 0, [], {}
     for i in range(1, tc.steps + 1):
         batch = train_rows[rng.integers(0, len(train_rows), tc.batch_size)].astype(np.int32)
         params, opt_state, metrics = step(params, opt_state, frozen_compute, rest, jnp.asarray(batch),
                                           jax.random.fold_in(key, i))
+        if i == 1:  # compilation and one step, apart from the steady state that the later entries show
+            jax.block_until_ready(params)
+            timing["first_step_seconds"] = round(time.perf_counter() - t0, 1)
         tokens_seen += batch.size
         running.append(metrics)
         if i % tc.eval_every == 0 or i == tc.steps:
             host = jax.device_get(running)
             running = []
-            entry = {"step": i, "tokens": tokens_seen, "seconds": round(time.perf_counter() - t0, 1)}
+            entry = {"step": i, "tokens": tokens_seen, "seconds": round(time.perf_counter() - t0, 1), **timing}
+            timing = {}
             for k in host[0]:
                 mean = np.mean([np.asarray(m[k], np.float64) for m in host], axis=0)
                 entry[k] = round(float(mean), 4) if mean.ndim == 0 else [round(float(x), 4) for x in mean]
+            t_eval = time.perf_counter()
             entry.update(evaluate_fn(nnx.merge(graphdef, params, frozen, rest)))
+            entry["eval_seconds"] = round(time.perf_counter() - t_eval, 1)
             log(entry)
     return nnx.merge(graphdef, params, frozen, rest)
 

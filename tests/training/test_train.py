@@ -128,3 +128,43 @@ def test_v41_indexer_distillation_trains_only_the_csa2_indexers():
     moved = {k for k in ce_only if with_kl[k] != ce_only[k]}
     assert moved and moved <= set(indexer)
     assert any("q_b_proj" in k for k in moved) and any("k_proj" in k for k in moved)
+
+
+_ONE_COMPILE = """
+import logging, sys
+import jax
+import numpy as np
+from dsjax.config import ModelConfig
+from dsjax.training.train import TrainConfig, train
+
+compiled = []
+class Seen(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("Compiling jit(step)"):
+            compiled.append(record)
+logging.getLogger("jax").addHandler(Seen())
+jax.config.update("jax_log_compiles", True)
+rows = np.tile(np.arange(33) % 7, (8, 1)).astype(np.int32)
+log = []
+train(ModelConfig.preset("tiny"), TrainConfig(steps=3, batch_size=2, eval_every=1, warmup_steps=1,
+      kernels=sys.argv[1]), rows, rows[:2], log.append)
+assert [e["step"] for e in log] == [1, 2, 3] and "first_step_seconds" in log[0] and "eval_seconds" in log[0]
+print("compiled", len(compiled))
+"""
+
+
+def test_the_training_step_compiles_once_in_a_fresh_process():
+    """A fresh interpreter, where nothing has imported tokamax yet: the step compiles once over steps and
+    evaluations (an import inside the first trace used to change jax's tracing context and compile it twice)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ONE_COMPILE, "reference"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["compiled", "1"], out.stdout[-2000:]
+
+
+def test_training_refuses_an_unknown_kernels_choice():
+    with pytest.raises(ValueError, match="kernels"):
+        train(ModelConfig.preset("tiny"), TrainConfig(steps=1, batch_size=2, kernels="pallas"),
+              np.zeros((4, 9), np.int32), np.zeros((1, 9), np.int32), lambda e: None)
