@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--learning-rate", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--time-budget", type=float, metavar="SECONDS",
+                    help="end the target's training when this many seconds (compilation and evaluations included) "
+                    "run out, its learning-rate schedule fitted to the steps that fit; --steps is then the most")
+    ap.add_argument("--drafter-time-budget", type=float, metavar="SECONDS", help="the same for the drafter's training")
     ap.add_argument("--kernels", default="auto", choices=("auto", "reference", "interpret"),
                     help="how training's forward runs its kernel-backed operations (auto: the platform's kernels)")
     ap.add_argument("--corpus", help="an .npz written by an earlier run's --save-corpus (skips rendering)")
@@ -83,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--drafter-steps: preset {args.preset!r} has no DSpark stages to train")
     if args.target and not args.drafter_steps:
         ap.error("--target trains only the drafter: give --drafter-steps too")
+    if args.target and args.time_budget is not None:
+        ap.error("--time-budget times the target's training, which --target skips: give --drafter-time-budget")
+    for flag, seconds in (("--time-budget", args.time_budget), ("--drafter-time-budget", args.drafter_time_budget)):
+        if seconds is not None and not seconds > 0:
+            ap.error(f"{flag} must be a positive number of seconds, got {seconds}")
     os.makedirs(out, exist_ok=True)
     tok_path = os.path.join(out, "tokenizer.json")
     write_tokenizer(tok_path, cfg.vocab_size)
@@ -93,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     log_path = os.path.join(out, "train_log.jsonl")
     log_file = open(log_path, "a" if args.target and os.path.samefile(args.target, out) else "w")
 
+    last_step: dict = {}
+
     def log(entry: dict) -> None:
+        if "step" in entry:
+            last_step.update(entry)
         print(json.dumps(entry), flush=True)
         log_file.write(json.dumps(entry) + "\n")
         log_file.flush()
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                     seed=args.seed, eval_every=args.eval_every, kernels=args.kernels)
+                     seed=args.seed, eval_every=args.eval_every, kernels=args.kernels, time_budget=args.time_budget)
     log({"preset": args.preset, "devices": str(jax.devices()),
          **({} if args.target else {"train_config": dataclasses.asdict(tc)})})
     t_train = time.perf_counter()
@@ -130,10 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         train_seconds, train_tokens = target_metrics["train_seconds"], target_metrics["train_tokens"]
     else:
         model = train(cfg, tc, train_rows, heldout, log, token_map=token_map)
-        train_seconds, train_tokens = time.perf_counter() - t_train, tc.steps * tc.batch_size * args.seq_len
+        train_seconds, train_tokens = time.perf_counter() - t_train, last_step["tokens"]
     drafter_seconds = None
     if args.drafter_steps:
-        dc = dataclasses.replace(tc, steps=args.drafter_steps, learning_rate=args.drafter_learning_rate)
+        dc = dataclasses.replace(tc, steps=args.drafter_steps, learning_rate=args.drafter_learning_rate,
+                                 time_budget=args.drafter_time_budget)
         weights = DraftLossWeights(anchors=args.anchors)
         log({"drafter_config": dataclasses.asdict(dc), "loss_weights": dataclasses.asdict(weights)})
         t_draft = time.perf_counter()

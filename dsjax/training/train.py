@@ -39,6 +39,9 @@ class TrainConfig:
     loss_weights: LossWeights = LossWeights()
     # How the forward's kernel-backed operations run, and so what is differentiated (`dsjax.run_config.KERNELS`).
     kernels: str = "auto"
+    # Seconds the loop may take, compilation and evaluations included: the run then ends when it runs out, its
+    # learning-rate schedule fitted to the steps that fit (at most `steps`). None: exactly `steps` steps.
+    time_budget: float | None = None
 
 
 Model = DeepseekV4 | DeepseekV41
@@ -74,20 +77,41 @@ def cast_like(model: Model, dtype) -> Model:
     return nnx.merge(graphdef, state)
 
 
+def _schedule(tc: TrainConfig, steps: int) -> optax.Schedule:
+    """Warm-up then cosine decay over `steps` (the run's length, which a time budget may set while it runs)."""
+    warmup = min(tc.warmup_steps, steps // 2)  # short runs (tests) still decay
+    return optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, warmup, steps,
+                                              tc.learning_rate * tc.final_lr_fraction)
+
+
 def _optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    warmup = min(tc.warmup_steps, tc.steps // 2)  # short runs (tests) still decay
-    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.learning_rate, warmup, tc.steps,
-                                                  tc.learning_rate * tc.final_lr_fraction)
+    """Clipping, then AdamW whose learning rate is an input of each step (`_LR`), so that the schedule's length can
+    change without compiling the step again."""
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))
     return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask))
+                       adamw(learning_rate=0.0, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask))
+
+
+_LR = 1  # the chain's AdamW state, whose hyperparams hold the learning rate
+
+
+def planned_steps(tc: TrainConfig, done: int, elapsed: float, step_seconds: float, eval_seconds: float) -> int:
+    """The run's length when `done` steps took `elapsed` seconds of `tc.time_budget` (compilation included) and
+    a step now takes `step_seconds`, an evaluation (every `eval_every` steps and at the end) `eval_seconds`: as
+    many more steps as the rest of the budget holds, the last evaluation included, and at most `tc.steps`."""
+    per_step = step_seconds + eval_seconds / tc.eval_every
+    more = int((tc.time_budget - elapsed - eval_seconds) // per_step) if per_step > 0 else tc.steps
+    return int(min(tc.steps, max(done, done + more)))
 
 
 def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: TrainConfig, train_rows: np.ndarray,
         evaluate_fn: Callable[[Model], dict], log: Callable[[dict], None] = print) -> Model:
     """AdamW on the `trainable` weights of `model` (the rest frozen), forward and backward in `tc.compute_dtype`:
     `loss(model, tokens [B,S], key) → (total, metrics)` on `tc.batch_size` rows drawn from `train_rows` each step.
-    Logs the mean metrics and `evaluate_fn(model)` every `eval_every` steps and at the end."""
+    Logs the mean metrics and `evaluate_fn(model)` every `eval_every` steps and at the end. With `tc.time_budget`,
+    the run's length (and its learning-rate schedule) is set from the steps' measured time, at most `tc.steps`:
+    after the first steps, then at every evaluation; each entry says it (`planned_steps`)."""
     cls = _model_class(model.cfg)
     compute = with_kernels(nnx.eval_shape(lambda: cls(model.cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(tc.compute_dtype))),
                            tc.kernels)
@@ -99,38 +123,60 @@ def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: Train
     opt_state = tx.init(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, frozen, rest, tokens, key):
+    def step(params, opt_state, frozen, rest, tokens, key, lr):
         def loss_fn(p):
             p = jax.tree.map(lambda x, d: x.astype(d), p, dtypes)
             return loss(nnx.merge(compute_graphdef, p, frozen, rest), tokens, key)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        opt_state[_LR].hyperparams["learning_rate"] = lr
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
     rng = np.random.default_rng(tc.seed)
     key = jax.random.key(tc.seed)
+    total = tc.steps
+    schedule = _schedule(tc, total)
+    probe = min(10, tc.eval_every)  # steps after the first whose time sets a budgeted run's length before any evaluation
     t0, tokens_seen, running, timing = time.perf_counter(), 0, [], {}
-    for i in range(1, tc.steps + 1):
+    t_mark, i_mark, eval_seconds = t0, 0, 0.0
+    i = 0
+    while i < total:
+        i += 1
         batch = train_rows[rng.integers(0, len(train_rows), tc.batch_size)].astype(np.int32)
         params, opt_state, metrics = step(params, opt_state, frozen_compute, rest, jnp.asarray(batch),
-                                          jax.random.fold_in(key, i))
-        if i == 1:  # compilation and one step, apart from the steady state that the later entries show
-            jax.block_until_ready(params)
-            timing["first_step_seconds"] = round(time.perf_counter() - t0, 1)
+                                          jax.random.fold_in(key, i), jnp.asarray(schedule(i - 1), jnp.float32))
         tokens_seen += batch.size
         running.append(metrics)
-        if i % tc.eval_every == 0 or i == tc.steps:
+        if i == 1 or (tc.time_budget and i == 1 + probe):
+            jax.block_until_ready(params)
+            now = time.perf_counter()
+            if i == 1:  # compilation and one step, apart from the steady state that the later entries show
+                timing["first_step_seconds"] = round(now - t0, 1)
+            elif i < total:
+                total = planned_steps(tc, i, now - t0, (now - t_mark) / (i - i_mark), eval_seconds)
+                schedule = _schedule(tc, total)
+            t_mark, i_mark = now, i
+        if i % tc.eval_every == 0 or i == total:
             host = jax.device_get(running)
             running = []
-            entry = {"step": i, "tokens": tokens_seen, "seconds": round(time.perf_counter() - t0, 1), **timing}
+            now = time.perf_counter()
+            entry = {"step": i, "tokens": tokens_seen, "seconds": round(now - t0, 1), **timing}
+            step_seconds = (now - t_mark) / max(i - i_mark, 1)
             timing = {}
             for k in host[0]:
                 mean = np.mean([np.asarray(m[k], np.float64) for m in host], axis=0)
                 entry[k] = round(float(mean), 4) if mean.ndim == 0 else [round(float(x), 4) for x in mean]
             t_eval = time.perf_counter()
             entry.update(evaluate_fn(nnx.merge(graphdef, params, frozen, rest)))
-            entry["eval_seconds"] = round(time.perf_counter() - t_eval, 1)
+            t_mark, i_mark = time.perf_counter(), i
+            eval_seconds = t_mark - t_eval
+            entry["eval_seconds"] = round(eval_seconds, 1)
+            if tc.time_budget and i < total:
+                total = planned_steps(tc, i, t_mark - t0, step_seconds, eval_seconds)
+                schedule = _schedule(tc, total)
+            if tc.time_budget:
+                entry["planned_steps"] = total
             log(entry)
     return nnx.merge(graphdef, params, frozen, rest)
 

@@ -168,3 +168,27 @@ def test_training_refuses_an_unknown_kernels_choice():
     with pytest.raises(ValueError, match="kernels"):
         train(ModelConfig.preset("tiny"), TrainConfig(steps=1, batch_size=2, kernels="pallas"),
               np.zeros((4, 9), np.int32), np.zeros((1, 9), np.int32), lambda e: None)
+
+
+def test_planned_steps_fill_the_rest_of_the_budget_and_no_more():
+    from dsjax.training.train import planned_steps
+
+    tc = TrainConfig(steps=1000, eval_every=100, time_budget=100.0)
+    # 40 s gone, 0.1 s a step, 2 s an evaluation: 58 s left after the last evaluation, 0.12 s a step with evaluations
+    assert planned_steps(tc, 50, 40.0, 0.1, 2.0) == 50 + 483
+    assert planned_steps(tc, 50, 40.0, 0.01, 0.0) == 1000  # never past `steps`
+    assert planned_steps(tc, 50, 120.0, 0.1, 2.0) == 50  # out of time: stop where it is
+
+
+def test_a_time_budget_ends_the_run_where_it_runs_out():
+    """A budget far too small ends the run after the steps that measure the step time, with a final entry saying
+    so; a budget far too large runs every step. Either way the model that comes back has trained."""
+    cfg = ModelConfig.preset("tiny")
+    rows = np.random.default_rng(0).integers(3, 500, (12, 24)).astype(np.int32)
+    short, long = [], []
+    m = train(cfg, TrainConfig(steps=40, batch_size=2, eval_every=20, time_budget=1e-3), rows, rows[:2], short.append)
+    assert [e["step"] for e in short] == [11] and short[-1]["planned_steps"] == 11
+    train(cfg, TrainConfig(steps=40, batch_size=2, eval_every=20, time_budget=1e6), rows, rows[:2], long.append)
+    assert [e["step"] for e in long] == [20, 40] and [e["planned_steps"] for e in long] == [40, 40]
+    fresh = init_model(cfg, seed=0)
+    assert not np.array_equal(np.asarray(m.embed_tokens.weight[...]), np.asarray(fresh.embed_tokens.weight[...]))
