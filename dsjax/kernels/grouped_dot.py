@@ -38,7 +38,7 @@ def padded_rows(matmul: Callable[[jax.Array], jax.Array], x_pk: jax.Array, multi
 def grouped_dot(x_pk: jax.Array, w_ekn: jax.Array, group_sizes_e: jax.Array, *, kernels: str = "auto") -> jax.Array:
     """`y[p] = x[p] @ w[expert(p)]` in x's dtype: the first `group_sizes[0]` rows against expert 0, and so
     on; rows past `Σ group_sizes` are undefined. `kernels` as `dispatch` reads it."""
-    import tokamax  # imported on first use: it takes over a second, and `dsjax info` never needs it
+    import tokamax  # over a second to import; a model imports it when built, ahead of any trace (`RoutedExperts`)
 
     def run(implementation, x=x_pk):
         return tokamax.ragged_dot(x, w_ekn.astype(x.dtype), group_sizes_e.astype("int32"),
