@@ -133,6 +133,10 @@ def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: Train
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
+    def replan(done: int, elapsed: float, step_seconds: float, eval_seconds: float) -> tuple[int, optax.Schedule]:
+        steps = planned_steps(tc, done, elapsed, step_seconds, eval_seconds)
+        return steps, _schedule(tc, steps)
+
     rng = np.random.default_rng(tc.seed)
     key = jax.random.key(tc.seed)
     total = tc.steps
@@ -154,8 +158,7 @@ def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: Train
             if i == 1:  # compilation and one step, apart from the steady state that the later entries show
                 timing["first_step_seconds"] = round(now - t0, 1)
             elif i < total:
-                total = planned_steps(tc, i, now - t0, (now - t_mark) / (i - i_mark), eval_seconds)
-                schedule = _schedule(tc, total)
+                total, schedule = replan(i, now - t0, (now - t_mark) / (i - i_mark), eval_seconds)
             t_mark, i_mark = now, i
         if i % tc.eval_every == 0 or i == total:
             host = jax.device_get(running)
@@ -173,8 +176,7 @@ def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: Train
             eval_seconds = t_mark - t_eval
             entry["eval_seconds"] = round(eval_seconds, 1)
             if tc.time_budget and i < total:
-                total = planned_steps(tc, i, t_mark - t0, step_seconds, eval_seconds)
-                schedule = _schedule(tc, total)
+                total, schedule = replan(i, t_mark - t0, step_seconds, eval_seconds)
             if tc.time_budget:
                 entry["planned_steps"] = total
             log(entry)
