@@ -10,6 +10,12 @@ seed (`dsjax.training.train`), for a V4.1 preset then train its DSpark stages ag
 disk and measure the held-out loss twice: with the training code (no cache) and through the
 inference path (prefill + cached decode), and the drafter's held-out figures. Writes `tokenizer.json`,
 `config.json`, the safetensors, `heldout.npy`, `train_log.jsonl` and `metrics.json` into `--out`.
+
+`--no-measure` skips the held-out figures and `--measure FOLDER` adds them later, on another machine: a GPU
+run then spends no time compiling the measurement, and a CPU's fp32 figures are exact.
+
+    python scripts/train_tiny.py --preset demo-v4.1 --out m --time-budget 440 --no-measure   # on the GPU
+    python scripts/train_tiny.py --measure m                                                # on a CPU
 """
 
 from __future__ import annotations
@@ -34,9 +40,57 @@ def _commit() -> str:
         return "unknown"
 
 
+def heldout_figures(folder: str, drafter: bool) -> dict:
+    """The held-out figures of the model in `folder` (its own `heldout.npy`): its bf16 weights read back in fp32,
+    the loss through the training code and through the inference path, and with `drafter` the drafter's."""
+    import dsjax
+    from dsjax.engine.scoring import teacher_forced_logprobs
+    from dsjax.training.dspark import evaluate_drafter
+    from dsjax.training.loss import evaluate, unigram_entropy
+
+    heldout = np.load(os.path.join(folder, "heldout.npy"))
+    shipped = dsjax.load_model(folder)  # what users get: bf16 weights read back in fp32
+    prefill = heldout.shape[1] // 4
+    return {
+        "heldout_ce_training_code": round(evaluate(shipped, heldout), 5),
+        "heldout_ce_inference_path": round(
+            float(-teacher_forced_logprobs(shipped, heldout, prefill).astype(np.float64).mean()), 5),
+        "heldout_unigram_entropy": round(unigram_entropy(heldout, shipped.cfg.vocab_size), 5),
+        "heldout_rows": list(heldout.shape), "inference_path_prefill_tokens": prefill,
+        **(evaluate_drafter(shipped, heldout) if drafter else {}),
+    }
+
+
+def measure(folder: str, command: str) -> int:
+    """Add the held-out figures to a `--no-measure` run's `metrics.json` (and its log), measured here."""
+    import jax
+
+    path = os.path.join(folder, "metrics.json")
+    try:
+        with open(path) as f:
+            metrics = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--measure {folder}: no readable metrics.json of a train_tiny.py run there ({e})")
+    if not os.path.exists(os.path.join(folder, "heldout.npy")):
+        raise SystemExit(f"--measure {folder}: no heldout.npy there")
+    figures = heldout_figures(folder, drafter=metrics.get("drafter_seconds") is not None)
+    metrics.update(figures, measured_device=str(jax.devices()[0].device_kind), measured_commit=_commit(),
+                   measure_command=command)
+    with open(os.path.join(folder, "train_log.jsonl"), "a") as f:
+        f.write(json.dumps({"final": metrics}) + "\n")
+    print(json.dumps({"final": metrics}), flush=True)
+    with open(path, "w") as f:
+        json.dump(metrics, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder to write the model into")
+    ap.add_argument("--out", help="folder to write the model into")
+    ap.add_argument("--no-measure", action="store_true",
+                    help="skip the held-out figures (add them later with --measure)")
+    ap.add_argument("--measure", metavar="FOLDER",
+                    help="only measure the held-out figures of a --no-measure run's folder, on this machine")
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=4000)
@@ -62,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", help="a V4.1 model folder this script wrote: train only its DSpark stages "
                                      "(with --drafter-steps), the rest of it frozen as it is")
     args = ap.parse_args(argv)
+    command = "python scripts/train_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.measure:
+        if args.out or args.no_measure:
+            ap.error("--measure measures an existing folder: give neither --out nor --no-measure")
+        return measure(args.measure, command)
+    if not args.out:
+        ap.error("--out is required (the folder to write the model into)")
 
     import jax
     import jax.numpy as jnp
@@ -71,12 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     from dsjax.checkpoint.save_v41 import save_v41
     from dsjax.config import ModelConfig
     from dsjax.config_v41 import V41Config, is_v41
-    from dsjax.engine.scoring import teacher_forced_logprobs
     from dsjax.engram_hash import tokenizer_token_map
     from dsjax.presets import PRESETS
     from dsjax.training.corpus import build_corpus
-    from dsjax.training.dspark import DraftLossWeights, evaluate_drafter, train_drafter
-    from dsjax.training.loss import evaluate, unigram_entropy
+    from dsjax.training.dspark import DraftLossWeights, train_drafter
     from dsjax.training.tokenizer import write_tokenizer
     from dsjax.training.train import TrainConfig, cast_like, train
 
@@ -159,19 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         save_v41(cast_like(model, jnp.bfloat16), out, max_shard_bytes=shard_bytes)
     else:
         save_model(cast_like(model, jnp.bfloat16), out, max_shard_bytes=shard_bytes, naming="original")
-    shipped = dsjax.load_model(out)  # what users get: bf16 weights read back in fp32
-    training_ce = evaluate(shipped, heldout)
-    prefill = args.seq_len // 4
-    inference_ce = float(-teacher_forced_logprobs(shipped, heldout, prefill).astype(np.float64).mean())
     metrics = {
-        "heldout_ce_training_code": round(training_ce, 5),
-        "heldout_ce_inference_path": round(inference_ce, 5),
-        "heldout_unigram_entropy": round(unigram_entropy(heldout, cfg.vocab_size), 5),
-        "heldout_rows": list(heldout.shape), "inference_path_prefill_tokens": prefill,
+        **({} if args.no_measure else heldout_figures(out, drafter=bool(args.drafter_steps))),
         "train_seconds": round(train_seconds, 1), "train_tokens": train_tokens,
         "device": str(jax.devices()[0].device_kind), "commit": _commit(),
-        **({"drafter_seconds": drafter_seconds, **evaluate_drafter(shipped, heldout)} if args.drafter_steps else {}),
-        "command": "python scripts/train_tiny.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **({"drafter_seconds": drafter_seconds} if args.drafter_steps else {}),
+        "command": command,
         **({"target_command": target_metrics["command"], "target_commit": target_metrics["commit"],
             "target_device": target_metrics["device"]} if target_metrics else {}),
     }

@@ -109,9 +109,9 @@ def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: Train
         evaluate_fn: Callable[[Model], dict], log: Callable[[dict], None] = print) -> Model:
     """AdamW on the `trainable` weights of `model` (the rest frozen), forward and backward in `tc.compute_dtype`:
     `loss(model, tokens [B,S], key) → (total, metrics)` on `tc.batch_size` rows drawn from `train_rows` each step.
-    Logs the mean metrics and `evaluate_fn(model)` every `eval_every` steps and at the end. With `tc.time_budget`,
-    the run's length (and its learning-rate schedule) is set from the steps' measured time, at most `tc.steps`:
-    after the first steps, then at every evaluation; each entry says it (`planned_steps`)."""
+    Logs the mean metrics and `evaluate_fn(model)` (the model running `tc.kernels`) every `eval_every` steps and at
+    the end. With `tc.time_budget`, the run's length (and its learning-rate schedule) is set from the steps' measured
+    time, at most `tc.steps`: after the first steps, then at every evaluation; each entry says it (`planned_steps`)."""
     cls = _model_class(model.cfg)
     compute = with_kernels(nnx.eval_shape(lambda: cls(model.cfg, rngs=nnx.Rngs(0), dtype=jnp.dtype(tc.compute_dtype))),
                            tc.kernels)
@@ -171,7 +171,8 @@ def fit(model: Model, trainable: nnx.filterlib.Filter, loss: Callable, tc: Train
                 mean = np.mean([np.asarray(m[k], np.float64) for m in host], axis=0)
                 entry[k] = round(float(mean), 4) if mean.ndim == 0 else [round(float(x), 4) for x in mean]
             t_eval = time.perf_counter()
-            entry.update(evaluate_fn(nnx.merge(graphdef, params, frozen, rest)))
+            # the evaluation runs the kernels the steps run (on a GPU, "reference" keeps its compile short too)
+            entry.update(evaluate_fn(with_kernels(nnx.merge(graphdef, params, frozen, rest), tc.kernels)))
             t_mark, i_mark = time.perf_counter(), i
             eval_seconds = t_mark - t_eval
             entry["eval_seconds"] = round(eval_seconds, 1)

@@ -44,3 +44,31 @@ def test_bad_budgets_are_refused_by_name(tmp_path, corpus, capsys, argv, message
         train_tiny.main([*preset, "--out", str(tmp_path / "m"), "--corpus", str(corpus), *argv])
     assert message in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_a_run_without_measuring_then_measured_gives_the_measured_runs_figures(tmp_path, corpus):
+    base = ["--preset", "tiny", "--corpus", str(corpus), "--seq-len", "32", "--steps", "3", "--eval-every", "3",
+            "--batch-size", "2"]
+    assert train_tiny.main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert train_tiny.main([*base, "--out", str(tmp_path / "b"), "--no-measure"]) == 0
+    unmeasured = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert "heldout_ce_training_code" not in unmeasured and unmeasured["train_tokens"] == 3 * 2 * 32
+    assert train_tiny.main(["--measure", str(tmp_path / "b")]) == 0
+    a = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    b = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    figures = [k for k in a if k.startswith("heldout") or k == "inference_path_prefill_tokens"]
+    assert len(figures) == 5 and {k: a[k] for k in figures} == {k: b[k] for k in figures}
+    assert b["command"] == unmeasured["command"] and b["measure_command"].endswith(f"--measure {tmp_path / 'b'}")
+    log = [json.loads(line) for line in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["final"] == b
+
+
+def test_measure_refuses_a_folder_without_a_run_and_a_mix_of_options(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="no readable metrics.json"):
+        train_tiny.main(["--measure", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--measure", str(tmp_path), "--out", str(tmp_path / "m")])
+    assert "give neither --out nor --no-measure" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--preset", "tiny"])
+    assert "--out is required" in capsys.readouterr().err

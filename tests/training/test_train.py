@@ -192,3 +192,20 @@ def test_a_time_budget_ends_the_run_where_it_runs_out():
     assert [e["step"] for e in long] == [20, 40] and [e["planned_steps"] for e in long] == [40, 40]
     fresh = init_model(cfg, seed=0)
     assert not np.array_equal(np.asarray(m.embed_tokens.weight[...]), np.asarray(fresh.embed_tokens.weight[...]))
+
+
+def test_evaluations_run_the_kernels_the_steps_run(model, rows):
+    """A run's evaluations trace the model with `tc.kernels`, not the model's own setting: on a GPU the evaluation
+    would otherwise compile the platform's kernels beside a "reference" run's XLA programs."""
+    from dsjax.training.train import TARGET, fit
+
+    seen = []
+
+    def evaluate_fn(m):
+        seen.append({getattr(sub, "kernels") for _, sub in nnx.iter_graph(m) if hasattr(sub, "kernels")})
+        return {}
+
+    assert {getattr(sub, "kernels") for _, sub in nnx.iter_graph(model) if hasattr(sub, "kernels")} == {"auto"}
+    fit(model, TARGET, lambda m, tokens, key: training_loss(m, tokens, LossWeights()),
+        TrainConfig(steps=2, batch_size=2, eval_every=1, kernels="reference"), rows, evaluate_fn, lambda e: None)
+    assert seen == [{"reference"}, {"reference"}]
