@@ -67,5 +67,5 @@ def test_greedy_with_dspark_is_plain_greedy_and_the_drafter_beats_chance(shipped
     got = generate(Engine(model, base.replace(speculative="dspark", drafts=5)), acceptance)
     assert got == want
     figures = acceptance.summary()
-    # A random drafter's greedy drafts almost never match an 8,192-token argmax (1.0); this one's first does ~39%.
+    # A random drafter's greedy drafts almost never match an 8,192-token argmax (1.0); this one's first does ~45%.
     assert figures["mean_accepted_length"] > 1.2, figures
