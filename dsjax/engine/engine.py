@@ -327,16 +327,21 @@ class Engine:
         """Each width's verification step time in seconds (`width_seconds`, `[k + 1]`, inf for widths not
         compiled), timed on a cache of its own once the programs are built (its rows idle: a step's shapes, not its
         rows, set its time), or read from the program store where this engine's were measured before (the same key
-        as its programs, so any change measures again). The cache is freed before it returns."""
+        as its programs, so any change measures again). The cache is freed before it returns.
+
+        Prefill buckets still compiling in the background are waited for first: a compile beside the timed steps
+        slows them unevenly, and the times are kept for every later run on the machine."""
         k = self.cfg.dspark_block_size
         key = None
         if self.programs is not None and jax.process_count() == 1:
-            key = self.programs.key(self._model_identity(), "width_seconds", self.widths, repr(jax.sharding.get_mesh()),
-                                    repeats)
+            key = self.programs.key(self._model_identity(), "width_seconds/quiet", self.widths,
+                                    repr(jax.sharding.get_mesh()), repeats)
             stored = self.programs.load_value(key)
             if stored is not None and len(stored) == k + 1:
                 self.width_seconds = np.asarray(stored, np.float64)
                 return self.width_seconds
+        if self.background is not None:
+            self.background.join()
         seconds = np.full(k + 1, np.inf)
         cache, state = self.new_cache(), self.new_draft_state()
         sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * self.num_slots, [0] * self.num_slots)

@@ -179,6 +179,24 @@ def test_the_widths_step_times_are_kept_with_the_programs(model, engine, tmp_pat
         other.measure_widths(repeats=1)
 
 
+def test_the_widths_are_timed_after_the_background_compiles(engine, monkeypatch):
+    import threading
+    import time
+
+    background = threading.Thread(target=time.sleep, args=(0.5,))
+    alive_while_timed = []
+    real = Engine.speculate
+    monkeypatch.setattr(Engine, "speculate", lambda self, *a, **k: alive_while_timed.append(background.is_alive())
+                        or real(self, *a, **k))
+    engine.width_seconds, engine.background = None, background
+    background.start()
+    try:
+        engine.measure_widths(repeats=1)
+    finally:
+        engine.background = None
+    assert alive_while_timed == [False, False], alive_while_timed
+
+
 def test_drafting_needs_draft_stages_and_a_draft_count_within_the_block(model):
     from dsjax.model import DeepseekV4
     from dsjax.config import ModelConfig
