@@ -221,6 +221,10 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                     bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
                     t_loop, wall_loop = time.perf_counter(), time.time()
                     programs_before = [None]  # the executables built when the generation began
+                    # When the work began: after the programs were prepared and the widths timed (`compile_all`).
+                    # Preparing them is not all jax's compile spans (loading whole programs, eval_shape, timing),
+                    # so the generation's time is counted from here, not from the loop's start less the spans.
+                    work_start = [t_loop, wall_loop]
 
                     def compile_all(first: int, later: int) -> None:
                         """Every program the job can need, before the first request (in parallel): none is
@@ -257,18 +261,19 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                             say("verification step at widths " + ", ".join(
                                 f"{w}: {1e3 * seconds[w - 1]:.1f} ms" for w in engine.widths)
                                 + f" ({phase['measure_widths']:.1f} s to measure or read)")
+                        work_start[:] = [time.perf_counter(), time.time()]
 
                     try:
-                        def working() -> float:  # seconds of the loop so far, less jax's compiling in it
-                            return time.perf_counter() - t_loop - clock.seconds(since=wall_loop)
+                        def working() -> float:  # seconds of the work so far, less jax's compiling in it
+                            return time.perf_counter() - work_start[0] - clock.seconds(since=work_start[1])
 
                         _run(cfg, engine, setup.recipe, results, is_done, stats, timer, bar, working, stopper.check,
                              compile_all, pending, acceptance)
                     finally:
                         engine.close()
                         bar.close()
-                        phase["loop"] = time.perf_counter() - t_loop
-                        phase["loop_compile"] = clock.seconds(since=wall_loop)
+                        phase["loop"] = time.perf_counter() - work_start[0]
+                        phase["loop_compile"] = clock.seconds(since=work_start[1])
                         phase["loop_programs"] = 0 if programs_before[0] is None else clock.programs - programs_before[0]
         except KeyboardInterrupt as e:
             stopped_by = stopper.signal or ("SIGTERM" if isinstance(e, Terminated) else "SIGINT")
