@@ -325,16 +325,16 @@ class Engine:
 
     def measure_widths(self, repeats: int = 3) -> np.ndarray:
         """Each width's verification step time in seconds (`width_seconds`, `[k + 1]`, inf for widths not
-        compiled), timed on a cache of its own once the programs are built (its rows idle: a step's shapes, not its
-        rows, set its time), or read from the program store where this engine's were measured before (the same key
-        as its programs, so any change measures again). The cache is freed before it returns.
+        compiled), timed on a cache of its own once the programs are built (every row live, as in a full batch), or
+        read from the program store where this engine's were measured before (the same key as its programs, so any
+        change measures again). The cache is freed before it returns.
 
         Prefill buckets still compiling in the background are waited for first: a compile beside the timed steps
         slows them unevenly, and the times are kept for every later run on the machine."""
         k = self.cfg.dspark_block_size
         key = None
         if self.programs is not None and jax.process_count() == 1:
-            key = self.programs.key(self._model_identity(), "width_seconds/quiet", self.widths,
+            key = self.programs.key(self._model_identity(), "width_seconds/full", self.widths,
                                     repr(jax.sharding.get_mesh()), repeats)
             stored = self.programs.load_value(key)
             if stored is not None and len(stored) == k + 1:
@@ -343,9 +343,14 @@ class Engine:
         if self.background is not None:
             self.background.join()
         seconds = np.full(k + 1, np.inf)
-        cache, state = self.new_cache(), self.new_draft_state()
-        sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * self.num_slots, [0] * self.num_slots)
-        active = np.ones(self.num_slots, bool)
+        n = self.num_slots
+        sampling = SamplingArrays.of([SamplingParams(temperature=0.0)] * n, [0] * n)
+        # Every row live, from position 0 with drafts proposed, as in a full batch: idle rows feed the target
+        # nothing, and a step's cost grows with the rows it feeds (the experts' grouped matmuls, the take-back).
+        cache = self.new_cache()
+        state = self.propose(self.new_draft_state(), np.zeros(n, np.int32), np.full(n, self.max_len - 1, np.int32),
+                             np.zeros(n, np.int32), sampling)
+        active = np.ones(n, bool)
         for w in self.widths:
             times = []
             for i in range(repeats + 1):  # the first call warms up

@@ -197,6 +197,21 @@ def test_the_widths_are_timed_after_the_background_compiles(engine, monkeypatch)
     assert alive_while_timed == [False, False], alive_while_timed
 
 
+def test_the_widths_are_timed_with_every_row_fed(engine, monkeypatch):
+    fed = []
+    real = Engine.speculate
+
+    def speculate(self, *a, **k):
+        cache, state, verdict = real(self, *a, **k)
+        fed.append(np.asarray(jax.device_get(verdict.count)))
+        return cache, state, verdict
+
+    monkeypatch.setattr(Engine, "speculate", speculate)
+    engine.width_seconds = None
+    engine.measure_widths(repeats=1)
+    assert len(fed) == 2 and all((count >= 1).all() and count.shape == (engine.num_slots,) for count in fed), fed
+
+
 def test_drafting_needs_draft_stages_and_a_draft_count_within_the_block(model):
     from dsjax.model import DeepseekV4
     from dsjax.config import ModelConfig
