@@ -219,12 +219,12 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                     stopper.check()
                     results.open()
                     bar = tqdm(total=total, disable=not (cfg.progress and main), unit="req", dynamic_ncols=True)
-                    t_loop, wall_loop = time.perf_counter(), time.time()
                     programs_before = [None]  # the executables built when the generation began
-                    # When the work began: after the programs were prepared and the widths timed (`compile_all`).
-                    # Preparing them is not all jax's compile spans (loading whole programs, eval_shape, timing),
-                    # so the generation's time is counted from here, not from the loop's start less the spans.
-                    work_start = [t_loop, wall_loop]
+                    # When the work began (perf_counter, wall): after the programs were prepared and the widths timed
+                    # (`compile_all`). Preparing them is not all jax's compile spans (loading whole programs,
+                    # eval_shape, timing), so the generation's time is counted from there, not from the loop's start
+                    # less the spans.
+                    work_start = [time.perf_counter(), time.time()]
 
                     def compile_all(first: int, later: int) -> None:
                         """Every program the job can need, before the first request (in parallel): none is
