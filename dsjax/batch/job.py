@@ -30,8 +30,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from dsjax.batch.formats import asks_for_format
 from dsjax.batch.images import ImageResolver, count_images
-from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, read_lines
+from dsjax.batch.jobfile import ErrorInfo, InputLine, JobError, check_readable, clip, read_lines
 from dsjax.batch.recipe import PROMPT_FORMATS, Prepared, Recipe, default_served_names, prompt_format
 from dsjax.batch.results import InputFingerprint, ResultsFile, check_output, error_record, success_record
 from dsjax.config import ModelConfig
@@ -40,6 +41,7 @@ from dsjax.engine.acceptance import Acceptance
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.engine import Engine, Spliced
 from dsjax.engine.generate import request_seed
+from dsjax.engine.grammar import Matcher
 from dsjax.engine.pixels import ImageError, decode_image
 from dsjax.engine.programs import program_store
 from dsjax.engine.scheduler import Request, StepTimer, run
@@ -79,16 +81,17 @@ class JobConfig:
     verbose: bool = False  # also the functions that took longest to compile
 
 
-def _pending(path: str, is_done: Callable[[InputLine], bool]) -> tuple[int, int, bool]:
-    """(lines, lines still to answer, whether any of those holds an image): the progress bar's total, and
-    what the programs compiled before the first request must cover."""
-    total, pending, images = 0, 0, False
+def _pending(path: str, is_done: Callable[[InputLine], bool]) -> tuple[int, int, bool, bool]:
+    """(lines, lines still to answer, whether any of those holds an image, whether any asks for an output format):
+    the progress bar's total, and what the programs compiled before the first request must cover."""
+    total, pending, images, constrained = 0, 0, False, False
     for line in read_lines(path):
         total += 1
         if not is_done(line):
             pending += 1
             images = images or (not line.error and count_images(line.body) > 0)
-    return total, pending, images
+            constrained = constrained or (not line.error and asks_for_format(line.url, line.body))
+    return total, pending, images, constrained
 
 
 def _phase_printer(on: bool) -> Callable[[str], None]:
@@ -199,7 +202,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
     with CompileClock() as clock:
         timer = StepTimer(clock)
         try:
-            total, pending, with_images = _pending(cfg.input, is_done)
+            total, pending, with_images, constrained = _pending(cfg.input, is_done)
             if not pending:  # nothing to do: no model to load
                 stats["skipped_done"] = total
                 results.open()
@@ -240,7 +243,7 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                         now |= reachable - background
                         t, built, hits = time.perf_counter(), clock.programs, clock.cache_hits
                         n = engine.precompile(images=with_images and model.vision is not None, buckets=sorted(now),
-                                              later=sorted(background))
+                                              later=sorted(background), masked=constrained and not engine.drafting)
                         phase["precompile"] = time.perf_counter() - t
                         programs_before[0] = clock.programs  # what follows is the generation's
                         loaded = engine.programs_loaded
@@ -430,9 +433,14 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
         raise JobError("a model that reads images needs the v4.1 prompt format (V4's renders no images)")
     image_root = cfg.image_root or os.path.dirname(os.path.abspath(cfg.input))
     try:
+        no_formats = None
+        if cfg.run.speculative != "off":
+            no_formats = (f"constrained decoding does not combine with --speculative {cfg.run.speculative} yet; "
+                          "run such requests in a job with --speculative off")
         recipe = Recipe(tokenizer, context, model_cfg.eos_token_id, prompt_format=fmt,
                         served_names=names or default_served_names(cfg.model, fmt), vision=model_cfg.vision,
-                        images=ImageResolver(allow_remote=cfg.allow_remote_images), image_root=image_root)
+                        images=ImageResolver(allow_remote=cfg.allow_remote_images), image_root=image_root,
+                        vocab_size=model_cfg.vocab_size, no_formats=no_formats)
     except ValueError as e:
         raise JobError(str(e)) from None
     return _Setup(recipe, sized, mesh)
@@ -580,6 +588,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
     their requests, `IMAGE_REQUESTS` at a time, not a window at a time: the first results do not wait for
     a whole window's images, and no more embeddings are held than the requests in flight need."""
     preps: dict[int, Prepared] = {}  # requests handed to the scheduler and not finished yet
+    matchers: dict[int, Matcher] = {}  # of those with an output format
     streams = {}
     next_index = itertools.count()
     cancelled: set[int] = set()
@@ -651,8 +660,11 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
             if seed is None:  # stable per custom_id: a request's draw does not depend on where it sits
                 digest = hashlib.sha256(prep.line.custom_id.encode("utf-8", "surrogatepass")).digest()
                 seed = request_seed(cfg.seed, int.from_bytes(digest[:8]))
+            matcher = None
+            if prep.constraint is not None:
+                matcher = matchers[index] = recipe.grammars.matcher(prep.constraint)
             yield Request(index, tuple(prep.prompt), prep.sampling, seed, frozenset(prep.sampling.stop_token_ids),
-                          spliced)
+                          spliced, matcher)
 
     for ev in run(engine, requests(), cancelled, timer, acceptance):
         check_stop()
@@ -673,7 +685,14 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
         except RuntimeError as e:
             cancelled.add(ev.index)
             del streams[ev.index], preps[ev.index]
+            matchers.pop(ev.index, None)
             fail(prep.line, ErrorInfo("output_processing_failed", f"the response could not be built: {e}"))
+            continue
+        matcher = matchers.pop(ev.index, None) if reason else None
+        if matcher is not None and matcher.error is not None:
+            del streams[ev.index], preps[ev.index]
+            fail(prep.line, ErrorInfo("output_processing_failed", "constrained decoding failed, so the output may "
+                                                                  f"not match its format: {clip(matcher.error)}"))
             continue
         if reason:
             results.write(success_record(prep.line, body))

@@ -2,9 +2,10 @@
 names it, never silently ignored.
 
 deepseek-recipe reads many options that only a hosted API acts on, and accepts sampling options that
-dsjax's sampler does not have (penalties, logit bias, top-k); structured outputs (JSON schemas, a
-required tool call) need constrained decoding, which dsjax does not do yet. A request that asks for
-any of them would be answered as if it had not, so it is refused here, before conversion.
+dsjax's sampler does not have (penalties, logit bias, top-k). A request that asks for any of them would be
+answered as if it had not, so it is refused here, before conversion. Output formats (JSON, JSON schemas,
+regexes, EBNF grammars) are enforced by constrained decoding (`batch.formats`); a required tool call and
+strict tool arguments are not yet, and are refused.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ def _only(*allowed: Any, why: str) -> Callable[[Any], str | None]:
     return check
 
 
+_FORMATS = ("text", "json_object", "json_schema", "regex", "ebnf")
+
+
 def _format(value: Any, where: str) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind in (None, "text"):
-        return None
-    return (f"{where} of type {kind!r} needs structured outputs (constrained decoding), which dsjax does not "
-            "do yet: the answer would not be guaranteed to match; drop it")
+    if kind is None or kind in _FORMATS:
+        return None  # the recipe (or `formats.split`) reads it and names what is wrong
+    return f"{where} of type {kind!r} is not one dsjax enforces (it enforces {list(_FORMATS)})"
 
 
 def _text(value: Any) -> str | None:
@@ -79,7 +82,7 @@ def _tools(value: Any) -> str | None:
         fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
         if fn.get("strict") is True:
             return ("a tool with strict: true needs its arguments enforced by constrained decoding, which dsjax "
-                    "does not do yet; drop strict")
+                    "does not do for tool calls yet (it does for response formats); drop strict")
         if tool.get("type") not in (None, "function", "custom") and "input_schema" not in tool:
             return f"the tool type {tool.get('type')!r} is a hosted tool: a batch job runs no tools; drop it"
     return None
@@ -175,6 +178,8 @@ OPTIONS: dict[str, dict[str, Callable[[Any], str | None]]] = {
         "stream": _STREAM,
         "tool_choice": _messages_tool_choice,
         "top_k": lambda v: "dsjax's sampler has no top-k; drop it (top_p is supported)",
+        "output_format": _ANY,  # read by `formats.split`, which names what is wrong
+        "output_config": _ANY,
     },
 }
 
@@ -202,14 +207,14 @@ def unsupported_option(url: str, body: dict[str, Any]) -> ErrorInfo | None:
 
 
 def unenforced_constraint(kind: str | None) -> ErrorInfo | None:
-    """An error for an output constraint the recipe found that only constrained decoding could keep (a
-    required tool call, a JSON schema, a regex), or None (no constraint, or optional tool calls)."""
-    if kind in (None, "tool_call"):
+    """An error for an output constraint the recipe found that dsjax's constrained decoding does not keep (a
+    required tool call), or None (none, optional tool calls, or a format it enforces: JSON, a regex)."""
+    if kind in (None, "tool_call", "json", "regex"):
         return None
-    what = {"tool_call_required": "a tool call that must be made (tool_choice 'required' or a named tool)",
-            "json": "JSON output", "regex": "output matching a pattern"}.get(kind, repr(kind))
-    return ErrorInfo("unsupported_parameter", f"the request asks for {what}, which needs structured outputs "
-                                              "(constrained decoding); dsjax does not do that yet")
+    what = {"tool_call_required": "a tool call that must be made (tool_choice 'required' or a named tool)"}.get(
+        kind, repr(kind))
+    return ErrorInfo("unsupported_parameter", f"the request asks for {what}, which needs constrained decoding of "
+                                              "tool calls; dsjax does not do that yet")
 
 
 def _name(key: str) -> str:

@@ -9,18 +9,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 import uuid
 from typing import Any, Sequence
 
 import deepseek_recipe as dr
 
+from dsjax.batch import formats
 from dsjax.batch.bodies import complete_body
 from dsjax.batch.images import ImageRefused, ImageResolver, LocalImageError, count_images, inline_local_images
 from dsjax.batch.jobfile import ErrorInfo, InputLine, clip
 from dsjax.batch.options import unenforced_constraint, unsupported_option
 from dsjax.config import ModelConfig, VisionConfig
 from dsjax.config_v41 import V41VisionConfig
+from dsjax.engine.grammar import Constraint, GrammarError, Grammars
 from dsjax.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 _ENDPOINTS = {
@@ -53,6 +56,7 @@ class Prepared:
     _model: str
     _response_id: str
     images: tuple[ImageSpan, ...] = ()
+    constraint: Constraint | None = None  # the output format it asks for, enforced by constrained decoding
 
 
 class ResponseStream:
@@ -117,12 +121,15 @@ class Recipe:
     (responses carry the name it used). With `vision` (the model's image encoder config) requests may
     hold images: `images` resolves them (remote URLs refused unless it allows them), local image files
     are read from `image_root`, and each image's placeholder is expanded to the encoder's token count
-    for it (`Prepared.images`). Raises ValueError
+    for it (`Prepared.images`). An output format (`batch.formats`) becomes the request's `Prepared.constraint`,
+    its grammar compiled here (`grammars`, for the model's `vocab_size` logits; an invalid one is the request's
+    error); with `no_formats` (the reason) such requests are refused instead. Raises ValueError
     naming the file when the tokenizer cannot be read or cannot encode the prompt format."""
 
     def __init__(self, tokenizer_path: str, context_limit: int, eos_token_ids: tuple[int, ...],
                  prompt_format: str | None = None, served_names: Sequence[str] = (),
-                 vision: VisionConfig | V41VisionConfig | None = None, images: ImageResolver | None = None, image_root: str = "."):
+                 vision: VisionConfig | V41VisionConfig | None = None, images: ImageResolver | None = None, image_root: str = ".",
+                 vocab_size: int | None = None, no_formats: str | None = None):
         if prompt_format is None:
             prompt_format = _format_for(vision)
         if prompt_format not in PROMPT_FORMATS:
@@ -138,6 +145,11 @@ class Recipe:
         version = PROMPT_FORMATS[prompt_format]
         self.options = dr.ConversionOptions().with_model_versions_by_name({n: version for n in self.served_names})
         self.vision, self.images, self.image_root = vision, images or ImageResolver(), image_root
+        self._tokenizer_path, self._vocab_size, self.no_formats = tokenizer_path, vocab_size, no_formats
+        self._grammars: Grammars | None = None  # made at the first request with a format
+        self._grammars_lock = threading.Lock()
+        ends = self.tokenizer.encode(dr.SpecialToken.ThinkingEnd.default_str())
+        self.thinking_end_id = ends[0] if len(ends) == 1 else None
         self.image_token_id = None
         if vision is not None:
             spelling = dr.SpecialToken.Image.default_str()
@@ -186,7 +198,11 @@ class Recipe:
                              f"the request holds {n} image(s); this model reads no images (its config has no "
                              "vision_config): send text only")
         try:
-            body = inline_local_images(line.body, self.image_root, self.images.max_bytes)
+            body, own_format = formats.split(line.url, line.body)
+        except formats.FormatError as e:
+            return ErrorInfo("invalid_request", f"the request's output format is wrong: {e}")
+        try:
+            body = inline_local_images(body, self.image_root, self.images.max_bytes)
         except LocalImageError as e:
             return ErrorInfo("invalid_image", str(e))
         try:
@@ -197,9 +213,14 @@ class Recipe:
             conversation = request.convert(self.options)
         except (dr.ConversionError, ValueError, TypeError, KeyError) as e:
             return ErrorInfo("invalid_request", f"the request body was rejected: {_clip(e)}")
-        constraint = conversation.inference_options.output_constraint
-        if (bad := unenforced_constraint(constraint.kind if constraint is not None else None)) is not None:
+        found = conversation.inference_options.output_constraint
+        if (bad := unenforced_constraint(found.kind if found is not None else None)) is not None:
             return bad
+        constraint = self._constraint(own_format or (
+            formats.recipe_constraint(found.kind, found.schema) if found is not None and found.kind != "tool_call"
+            else None), conversation.parsing_options)
+        if isinstance(constraint, ErrorInfo):
+            return constraint
         sources = [s for m in conversation.conversation.messages for s in m.image_sources]
         try:
             prompt = self._encoding.encode(conversation.conversation)
@@ -236,7 +257,38 @@ class Recipe:
             return gen
 
         return Prepared(line, list(prompt), sampling, conversation, generator, response_cls, model, response_id,
-                        images)
+                        images, constraint)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammars of the requests' output formats, compiled once each for this tokenizer (made at first use)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                with open(self._tokenizer_path, encoding="utf-8") as f:
+                    text = f.read()
+                self._grammars = Grammars(text, self._vocab_size, self.eos_token_ids)
+            return self._grammars
+
+    def _constraint(self, spec: tuple[str, str] | None, parsing) -> Constraint | ErrorInfo | None:
+        """The request's `Constraint` from its format's kind and text, compiled (an invalid one is its error); it
+        starts after the thinking part where the response begins in one."""
+        if spec is None:
+            return None
+        if self.no_formats is not None:
+            return ErrorInfo("unsupported_parameter", f"the request asks for an output format: {self.no_formats}")
+        after = None
+        stage = parsing.thinking_initial_stage
+        if stage is not None and stage.starts_in_reasoning():
+            if self.thinking_end_id is None:
+                return ErrorInfo("unsupported_parameter", "an output format after the thinking part needs the "
+                                                          "tokenizer's end-of-thinking token, which it lacks")
+            after = self.thinking_end_id
+        constraint = Constraint(*spec, after=after)
+        try:
+            self.grammars.check(constraint)
+        except GrammarError as e:
+            return ErrorInfo("invalid_response_format", f"the output format cannot be enforced: {_clip(e)}")
+        return constraint
 
     def _expand_images(self, prompt: list[int], sources) -> tuple[list[int], tuple[ImageSpan, ...]] | ErrorInfo:
         """Resolve the request's images and repeat each placeholder token as many times as the image has

@@ -32,6 +32,7 @@ from dsjax.cache import Cache, init_cache
 from dsjax.engine import encoder, speculative, steps
 from dsjax.engine.compiles import BACKGROUND_THREAD
 from dsjax.engine.draft_schedule import auto_widths, choose_width
+from dsjax.engine.grammar import full_masks
 from dsjax.engine.programs import ProgramStore, compile_for_store, describe
 from dsjax.engine.sampling import SAMPLER_MODES, Sampled, SamplingArrays, SamplingModes, SamplingParams
 from dsjax.engine.slots import prefill_buckets, prefill_rows
@@ -194,11 +195,26 @@ class Engine:
                sampling: SamplingArrays) -> tuple[Cache, Sampled]:
         """Feed each active slot its last token and sample the next; inactive slots are untouched.
         `sampling` has one row per slot."""
-        cache, logits_sv, positions_s = self._call(("decode",), self._decode_jit, self.params,
-                                                   cache, *self._put(jnp.asarray(last_tokens, jnp.int32),
-                                                                     jnp.asarray(active, bool)))
-        return cache, self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
-                                 positions_s)
+        cache, logits_sv, positions_s = self.decode_logits(cache, last_tokens, active)
+        return cache, self.sample(logits_sv, sampling, positions_s)
+
+    def decode_logits(self, cache: Cache, last_tokens: jax.Array, active: jax.Array
+                      ) -> tuple[Cache, jax.Array, jax.Array]:
+        """`decode` without the sampler: the cache, every slot's next-token logits and the positions the next
+        tokens take, for `sample` (a constrained batch samples once its masks are computed)."""
+        return self._call(("decode",), self._decode_jit, self.params, cache,
+                          *self._put(jnp.asarray(last_tokens, jnp.int32), jnp.asarray(active, bool)))
+
+    def sample(self, logits_sv: jax.Array, sampling: SamplingArrays, positions_s: jax.Array,
+               masks: np.ndarray | None = None) -> Sampled:
+        """Every slot's next token from its logits; `masks` (`[slots, grammar.mask_words(vocab)]` int32, host or
+        device) limits each row to its allowed tokens (the masked sampler programs, `precompile(masked=True)`)."""
+        if masks is None:
+            return self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
+                              positions_s)
+        (masks,) = self._put(masks) if not isinstance(masks, jax.Array) else (masks,)
+        return self._call(("sample_masked", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
+                          positions_s, masks)
 
     def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array) -> jax.stages.Lowered:
         """The decode step (without the sampler) lowered for these arguments (to compile with other
@@ -221,7 +237,8 @@ class Engine:
 
     def prefill(self, cache: Cache, prompts: Sequence[Sequence[int]], slots: Sequence[int],
                 sampling: SamplingArrays, pad_slots: Sequence[int] = (),
-                spliced: Sequence[Spliced | None] | None = None, rings: tuple | None = None):
+                spliced: Sequence[Spliced | None] | None = None, rings: tuple | None = None,
+                masks: np.ndarray | None = None):
         """Fill `slots` with `prompts` from position 0, chunk by chunk, and sample each prompt's next token:
         `(cache, sampled)`, and DSpark's context rings (`speculative.DraftState.rings`) with the prompts' keys
         written when `rings` are given (`drafting`).
@@ -230,7 +247,8 @@ class Engine:
         (other rows mean nothing). `pad_slots` are extra distinct slots that ride along unchanged (to keep
         the row count, hence the compiled shape, within a few buckets). `spliced` (one entry per prompt, or
         None) gives embeddings that replace the token embeddings at some of a prompt's positions (images at
-        their placeholders); a chunk without any runs the text-only program.
+        their placeholders); a chunk without any runs the text-only program. `masks` limits each row's token to
+        those its mask allows (as in `sample`).
         """
         rows = list(slots) + list(pad_slots)
         if len(set(rows)) != len(rows):
@@ -272,8 +290,7 @@ class Engine:
                              ends_here, chunk_spliced, floor, rings)
             cache, logits_sv, positions_s = out[:3]
             rings = out[3] if rings is not None else None
-        sampled = self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
-                             positions_s)
+        sampled = self.sample(logits_sv, sampling, positions_s, masks)
         return (cache, sampled) if rings is None else (cache, sampled, rings)
 
     @staticmethod
@@ -380,10 +397,11 @@ class Engine:
 
     def precompile(self, images: bool = False, modes: Sequence[SamplingModes] = SAMPLER_MODES,
                    buckets: Sequence[int] | None = None, threads: int | None = None,
-                   later: Sequence[int] = ()) -> int:
+                   later: Sequence[int] = (), masked: bool = False) -> int:
         """Build every program a run of this engine can need before it starts: the empty cache, the
         decode step, the prefill chunk for each row count of `buckets` (default: all, `prefill_buckets`),
-        and the sampler for each of `modes`. With `images` the prefill programs are those that take
+        and the sampler for each of `modes` (with `masked`, also each with token masks, for constrained requests).
+        With `images` the prefill programs are those that take
         spliced embeddings, and every later prefill runs them (`spliced_prefill`). Programs found in
         `self.programs` are loaded; the others are lowered one after another and compiled in `threads`
         threads (default: one per program, at most the CPU count), then stored there. Steps then call
@@ -440,6 +458,9 @@ class Engine:
             sampling = dataclasses.replace(self._place(SamplingArrays.of([SamplingParams()] * n, [0] * n)),
                                            modes=m)
             todo.append((("sample", m), steps.sample_rows, (), (logits, sampling, positions)))
+            if masked:
+                (masks,) = self._put(full_masks(n, self.cfg.vocab_size))
+                todo.append((("sample_masked", m), steps.sample_rows, (), (logits, sampling, positions, masks)))
         build = [(slot, key, _lower(jitted, static, args)) for slot, key, jitted, static, args in self._unstored(todo)]
         if build:
             workers = threads or max(1, min(len(build), os.cpu_count() or 1))

@@ -9,6 +9,7 @@ import numpy as np
 
 from dsjax.engine import scheduler
 from dsjax.engine.engine import Engine
+from dsjax.engine.grammar import Matcher
 from dsjax.engine.sampling import SamplingParams
 from dsjax.engine.scheduler import Request
 from dsjax.run_config import RunConfig
@@ -34,13 +35,17 @@ def request_seed(job_seed: int, index: int) -> int:
     return int(np.random.SeedSequence([job_seed, index]).generate_state(1)[0])
 
 
-def make_requests(cfg, prompts: Sequence[Sequence[int]], sampling, max_len: int, seed: int) -> list[Request]:
+def make_requests(cfg, prompts: Sequence[Sequence[int]], sampling, max_len: int, seed: int,
+                  matchers: Sequence[Matcher | None] | None = None) -> list[Request]:
     if isinstance(sampling, SamplingParams):
         sampling = [sampling] * len(prompts)
     if len(sampling) != len(prompts):
         raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    matchers = [None] * len(prompts) if matchers is None else list(matchers)
+    if len(matchers) != len(prompts):
+        raise ValueError(f"got {len(matchers)} matchers for {len(prompts)} prompts")
     requests = []
-    for i, (prompt, sp) in enumerate(zip(prompts, sampling)):
+    for i, (prompt, sp, matcher) in enumerate(zip(prompts, sampling, matchers)):
         prompt = tuple(int(t) for t in prompt)
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
@@ -50,16 +55,18 @@ def make_requests(cfg, prompts: Sequence[Sequence[int]], sampling, max_len: int,
             raise ValueError(f"prompt {i} has {len(prompt)} tokens; max_len {max_len} leaves no room to generate")
         stop = cfg.eos_token_id if sp.stop_token_ids is None else sp.stop_token_ids
         requests.append(Request(i, prompt, sp, request_seed(seed, i) if sp.seed is None else sp.seed,
-                                frozenset(int(t) for t in stop)))
+                                frozenset(int(t) for t in stop), matcher=matcher))
     return requests
 
 
 def generate(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = None,
-             *, run: RunConfig | None = None, seed: int = 0, engine: Engine | None = None) -> list[GenerationResult]:
+             *, run: RunConfig | None = None, seed: int = 0, engine: Engine | None = None,
+             matchers: Sequence[Matcher | None] | None = None) -> list[GenerationResult]:
     """Generate for each token-id prompt with continuous batching over `run.slots` slots of `run.max_len`
     tokens (prompt + generated) each, prompts prefilled `run.chunk_size` tokens at a time. The default
     `run`: 8 slots, chunks of 64 tokens, and room for the longest prompt plus the largest max_tokens. Pass
-    an `engine` instead to reuse its compiled steps across calls.
+    an `engine` instead to reuse its compiled steps across calls. `matchers` (one per prompt, or None) constrain
+    prompts' outputs to grammars (`grammar.Grammars.matcher`).
     """
     sampling = SamplingParams() if sampling is None else sampling
     if engine is None:
@@ -70,7 +77,7 @@ def generate(model, prompts: Sequence[Sequence[int]], sampling: SamplingParams |
         engine = Engine(model, run)
     elif run is not None:
         raise ValueError("give generate a run or an engine (which has its own), not both")
-    requests = make_requests(engine.cfg, prompts, sampling, engine.max_len, seed)
+    requests = make_requests(engine.cfg, prompts, sampling, engine.max_len, seed, matchers)
     tokens: list[list[int]] = [[] for _ in requests]
     logprobs: list[list[TokenLogprob]] = [[] for _ in requests]
     finish: list[str | None] = [None] * len(requests)

@@ -114,10 +114,15 @@ class Sampled:
     top_logprobs: jax.Array  # [B, min(MAX_LOGPROBS, vocab)]
 
 
-def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array) -> Sampled:
-    """Pick one token per row; `positions_b` is where each chosen token will sit in its sequence."""
+def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array,
+           mask_bw: jax.Array | None = None) -> Sampled:
+    """Pick one token per row; `positions_b` is where each chosen token will sit in its sequence. `mask_bw`, if
+    given, holds each row's allowed tokens as bits (`grammar.mask_words` int32 words a row): the others are never
+    picked, and sampling renormalises over the allowed ones. Reported log-probabilities stay the model's own."""
     logits_bv = logits_bv.astype(jnp.float32)
     logp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    if mask_bw is not None:
+        logits_bv = jnp.where(allowed_tokens(mask_bw, logits_bv.shape[-1]), logits_bv, -jnp.inf)
     greedy_b = jnp.argmax(logits_bv, axis=-1)
 
     # Sorting the vocabulary (2.6 ms per decode step at 128 rows × 129K on an H200) only where a
@@ -129,6 +134,12 @@ def sample(logits_bv: jax.Array, params: SamplingArrays, positions_b: jax.Array)
         sampled_b = (_sample_filtered if modes.filtered else _sample_plain)(logits_bv, params, positions_b)
         token_b = jnp.where(params.temperature == 0, token_b, sampled_b).astype(jnp.int32)
     return report(logp_bv, token_b, modes)
+
+
+def allowed_tokens(mask_bw: jax.Array, vocab: int) -> jax.Array:
+    """`[B, vocab]` bool from bit masks `[B, words]` (bit t % 32 of word t // 32 allows token t)."""
+    bits = (mask_bw[:, :, None] >> jnp.arange(32, dtype=mask_bw.dtype)) & 1
+    return bits.reshape(mask_bw.shape[0], -1)[:, :vocab].astype(bool)
 
 
 def report(logp_bv: jax.Array, token_b: jax.Array, modes: SamplingModes) -> Sampled:

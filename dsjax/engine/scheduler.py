@@ -17,6 +17,7 @@ from dsjax.engine import speculative
 from dsjax.engine.acceptance import Acceptance
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.engine import Engine, Spliced
+from dsjax.engine.grammar import Matcher, full_masks
 from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingParams
 
 _IDLE = SamplingParams(temperature=0.0)
@@ -31,6 +32,8 @@ class Request:
     stop_token_ids: frozenset[int]
     # Embeddings that replace the prompt's at some positions (an image's, at its placeholders).
     spliced: Spliced | None = None
+    # The grammar its tokens must follow (constrained decoding), advanced here as tokens are emitted.
+    matcher: Matcher | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +94,11 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     runs a slot past its length, and tokens after a stop token are dropped. The width of each step comes
     from the confidences of the drafts read last (`Engine.width_for`: the step in flight was dispatched before
     they were read). `acceptance`, if given, counts what the verification kept.
+
+    A step with a constrained request in it (`Request.matcher`) runs the model, then reads the step before it,
+    advances the matchers and computes the token masks while the model runs, then samples with the masks: the
+    device waits for the host only where the masks take longer than the model. Constrained requests do not
+    combine with drafting.
     """
     cancelled = set() if cancelled is None else cancelled
     timer = timer or StepTimer()
@@ -139,6 +147,20 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
             continue
         active = np.zeros(n, bool)
         active[[s for s, _ in rows]] = True
+        if any(r.matcher is not None for _, r in rows):
+            if drafts is not None:
+                raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
+            sampling = slots.sampling()
+            last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
+            with timer:
+                cache, logits, positions = engine.decode_logits(cache, last, active)
+            if inflight is not None:
+                yield from _read(slots, inflight, cancelled, timer, drafts)
+            masks = _masks(engine, slots, rows)
+            with timer:
+                step = engine.sample(logits, sampling, positions, masks)
+            inflight = (step, rows)
+            continue
         with timer:
             if drafts is not None:
                 cache, step = drafts.step(cache, active, slots.sampling())
@@ -148,6 +170,15 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
         if inflight is not None:
             yield from _read(slots, inflight, cancelled, timer, drafts)
         inflight = (step, rows)
+
+
+def _masks(engine: Engine, slots: "_Slots", rows) -> np.ndarray:
+    """Each row's token mask: its matcher's where its request is still in its slot, all tokens elsewhere."""
+    masks = full_masks(engine.num_slots, engine.cfg.vocab_size)
+    for s, r in rows:
+        if r.matcher is not None and slots.request[s] is r:
+            r.matcher.fill(masks, s)
+    return masks
 
 
 def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer",
@@ -274,10 +305,13 @@ def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]
         slots.generated[s] = 0
     prompts, spliced = [r.prompt for _, r in new], [r.spliced for _, r in new]
     if drafts is not None:
+        if any(r.matcher is not None for _, r in new):
+            raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
         cache, sampled = drafts.prefill(cache, slots, new, prompts, spliced, pad)
     else:
+        masks = _masks(engine, slots, new) if any(r.matcher is not None for _, r in new) else None
         cache, sampled = engine.prefill(cache, prompts, [s for s, _ in new], slots.sampling(), pad_slots=pad,
-                                        spliced=spliced)
+                                        spliced=spliced, masks=masks)
     host = jax.device_get(sampled)
     events = [_emit(slots, s, host, s) for s, _ in new]
     if drafts is not None:
@@ -290,6 +324,8 @@ def _emit(slots: _Slots, s: int, host: Sampled, row) -> TokenEvent:
     verification step's rows), counted, and the event it makes."""
     r = slots.request[s]
     token = int(host.token[row])
+    if r.matcher is not None:
+        r.matcher.consume(token)
     slots.generated[s] += 1
     slots.total[s] += 1
     slots.last[s] = token

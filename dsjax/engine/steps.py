@@ -210,9 +210,10 @@ def new_draft_state(graphdef, num_slots: int, params) -> speculative.DraftState:
 
 
 @jax.jit
-def sample_rows(logits_sv, sampling: SamplingArrays, positions_s) -> Sampled:
-    """The sampler as a program of its own: one per `SamplingModes` (a static part of `sampling`)."""
-    return _for_host(sample(logits_sv, sampling, positions_s))
+def sample_rows(logits_sv, sampling: SamplingArrays, positions_s, mask_sw=None) -> Sampled:
+    """The sampler as a program of its own: one per `SamplingModes` (a static part of `sampling`), and one more per
+    mix with each row's token mask (`grammar`)."""
+    return _for_host(sample(logits_sv, sampling, positions_s, mask_sw))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

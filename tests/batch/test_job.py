@@ -408,7 +408,7 @@ def test_careless_lines_are_errors_of_their_own_and_the_job_goes_on(tmp_path, ti
         line("nul", image("a\0b.png")), line("surrogate", image("\ud800.png")),
         line("fifo", image("pipe.png")), line("passwd", image("/etc/passwd")), line("up", image("../x.png")),
         line("link", image("sneaky.png")), line("missing-outside", image("/nonexistent/x.png")),
-        line("logit-bias", body(logit_bias={"5": 1})), line("json", body(response_format={"type": "json_object"})),
+        line("logit-bias", body(logit_bias={"5": 1})), line("json", body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})),
         line("penalty", body(frequency_penalty=0.5)), line("\ud800-id", body()),
         line("fine", body()),
     ]
@@ -420,12 +420,12 @@ def test_careless_lines_are_errors_of_their_own_and_the_job_goes_on(tmp_path, ti
                      "nul": "invalid_image", "surrogate": "invalid_image", "fifo": "invalid_image",
                      "passwd": "invalid_image", "up": "invalid_image", "link": "invalid_image",
                      "missing-outside": "invalid_image", "logit-bias": "unsupported_parameter",
-                     "json": "unsupported_parameter", "penalty": "unsupported_parameter", "\ud800-id": None, "fine": None}
+                     "json": "invalid_request", "penalty": "unsupported_parameter", "\ud800-id": None, "fine": None}
     by = {r["custom_id"]: r["error"]["message"] for r in recs if r["error"] and r["custom_id"]}
     outside = [by[c].replace(repr(p), "PATH") for c, p in (("passwd", "/etc/passwd"), ("missing-outside",
                                                                                          "/nonexistent/x.png"))]
     assert outside[0] == outside[1] and "outside the folder" in outside[0]  # nothing tells whether it exists
-    assert "logit_bias" in by["logit-bias"] and "response_format" in by["json"]
+    assert "logit_bias" in by["logit-bias"] and "objectx" in by["json"]
     assert summary["requests_ok"] == 2 and summary["requests_failed"] == len(items) - 2
 
 

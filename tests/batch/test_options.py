@@ -30,8 +30,7 @@ def test_options_that_work_pass(url, body):
 
 
 @pytest.mark.parametrize("url, key, value, says", [
-    (CHAT, "response_format", {"type": "json_object"}, "structured outputs"),
-    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "structured outputs"),
+    (CHAT, "response_format", {"type": "grammar", "grammar": "x"}, "not one dsjax enforces"),
     (CHAT, "logit_bias", {"5": 1}, "logit bias"),
     (CHAT, "frequency_penalty", 0.5, "frequency penalty"),
     (CHAT, "presence_penalty", -1, "presence penalty"),
@@ -41,7 +40,7 @@ def test_options_that_work_pass(url, body):
     (CHAT, "top_k", 5, "not supported by dsjax"),
     (CHAT, "min_p", 0.1, "not supported by dsjax"),
     (CHAT, "functions", [], "not supported by dsjax"),
-    (RESP, "text", {"format": {"type": "json_schema", "name": "x", "schema": {}}}, "text.format"),
+    (RESP, "text", {"format": {"type": "lark", "lark": "start: x"}}, "text.format"),
     (RESP, "text", {"verbosity": "low"}, "verbosity"),
     (RESP, "previous_response_id", "resp_1", "stored responses"),
     (RESP, "truncation", "auto", "drop input"),
@@ -50,7 +49,6 @@ def test_options_that_work_pass(url, body):
     (RESP, "seed", 1, "not supported by dsjax"),
     (MSG, "top_k", 40, "top-k"),
     (MSG, "tool_choice", {"type": "auto", "disable_parallel_tool_use": True}, "one tool call"),
-    (MSG, "output_format", {"type": "json_schema", "schema": {}}, "not supported by dsjax"),
     (CHAT, "max_completion_tokens", 0, "positive integer"),
     (CHAT, "max_tokens", True, "positive integer"),
     (RESP, "max_output_tokens", -3, "positive integer"),
@@ -83,7 +81,16 @@ def test_a_tool_choice_without_tools_is_refused():
     assert unsupported_option(MSG, {"model": "m", "tool_choice": {"type": "auto"}}) is None
 
 
-def test_constraints_only_decoding_could_keep_are_refused():
-    assert unenforced_constraint(None) is None and unenforced_constraint("tool_call") is None
-    for kind in ("tool_call_required", "json", "regex"):
-        assert unenforced_constraint(kind).code == "unsupported_parameter"
+def test_output_formats_pass_and_a_required_tool_call_is_refused():
+    for kind in (None, "tool_call", "json", "regex"):
+        assert unenforced_constraint(kind) is None
+    assert unenforced_constraint("tool_call_required").code == "unsupported_parameter"
+    for url, body in ((CHAT, {"response_format": {"type": "json_object"}}),
+                      (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+                      (CHAT, {"response_format": {"type": "regex", "regex": "a+"}}),
+                      (CHAT, {"response_format": {"type": "ebnf", "ebnf": 'root ::= "a"'}}),
+                      (RESP, {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}),
+                      (RESP, {"text": {"format": {"type": "regex", "regex": "a+"}}}),
+                      (MSG, {"output_format": {"type": "json_schema", "schema": {}}}),
+                      (MSG, {"output_config": {"format": {"type": "json_schema", "schema": {}}}})):
+        assert unsupported_option(url, {"model": "m", **body}) is None, body

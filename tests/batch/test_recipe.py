@@ -74,7 +74,7 @@ def test_options_that_would_be_ignored_are_refused():
     recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1")
     m = "DeepSeek-V4.1-Flash"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    for line in (chat(m, logit_bias={"5": 1}), chat(m, response_format={"type": "json_object"}),
+    for line in (chat(m, logit_bias={"5": 1}),
                  chat(m, tools=tools, tool_choice="required", thinking={"type": "disabled"}),
                  chat(m, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}},
                       thinking={"type": "disabled"}),
@@ -103,3 +103,59 @@ def test_tokenizers_that_cannot_serve_the_format_fail_naming_the_file(tmp_path):
             Recipe(str(garbage), 512, (1,))
     with pytest.raises(ValueError, match="prompt_format must be one of"):
         Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v5")
+
+
+def test_output_formats_become_constraints_after_the_thinking_part_where_it_is_on():
+    recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1", vocab_size=8200)
+    m = "DeepSeek-V4.1-Flash"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    think_end = dr.Tokenizer.from_file(V41_TOKENIZER).encode("</think>")[0]
+    off = {"thinking": {"type": "disabled"}}
+    cases = [
+        (chat(m, response_format={"type": "json_object"}, messages=[{"role": "user", "content": "json please"}],
+              **off), "json_schema", '{"type": "object"}', None),
+        (chat(m, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, **off),
+         "json_schema", None, None),
+        (chat(m, response_format={"type": "regex", "regex": "a+"}, thinking={"type": "enabled"}), "regex", "a+",
+         think_end),
+        (chat(m, response_format={"type": "ebnf", "ebnf": 'root ::= "a"'}, **off), "ebnf", 'root ::= "a"', None),
+        (InputLine(1, "a", "/v1/responses", {"model": m, "input": "hi", "reasoning": {"effort": "high"},
+                                             "text": {"format": {"type": "regex", "regex": "b+"}}}), "regex", "b+",
+         think_end),
+        (InputLine(1, "a", "/v1/messages", {"model": m, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                                            "output_format": {"type": "json_schema", "schema": schema}}),
+         "json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}', think_end),
+    ]
+    for line, kind, text, after in cases:
+        prep = recipe.prepare(line)
+        assert isinstance(prep, Prepared), (line.body, prep)
+        c = prep.constraint
+        assert (c.kind, c.after) == (kind, after), line.body
+        assert text is None or c.text == text
+    assert recipe.prepare(chat(m, **off)).constraint is None
+
+
+def test_a_format_that_cannot_be_enforced_is_the_requests_error():
+    recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1")
+    m = "DeepSeek-V4.1-Flash"
+    err = recipe.prepare(chat(m, response_format={"type": "regex", "regex": "[ab"}))
+    assert err.code == "invalid_response_format" and "unclosed" in err.message
+    err = recipe.prepare(chat(m, response_format={"type": "ebnf", "ebnf": "root ::= ("}))
+    assert err.code == "invalid_response_format" and "EBNF" in err.message
+    err = recipe.prepare(chat(m, response_format={"type": "ebnf"}))
+    assert err.code == "invalid_request" and "response_format.ebnf" in err.message
+    # A schema the recipe finds well-formed that no value can match.
+    schema = {"name": "x", "schema": {"allOf": [{"type": "string"}, {"type": "integer"}]}}
+    err = recipe.prepare(chat(m, response_format={"type": "json_schema", "json_schema": schema}))
+    assert err.code == "invalid_response_format" and "Unsatisfiable" in err.message
+    # One it finds malformed.
+    schema = {"name": "x", "schema": {"type": "string", "pattern": "[a"}}
+    err = recipe.prepare(chat(m, response_format={"type": "json_schema", "json_schema": schema}))
+    assert err.code == "invalid_request" and "[a" in err.message
+
+
+def test_a_job_that_cannot_enforce_formats_refuses_them_by_reason():
+    recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1", no_formats="not with drafting")
+    err = recipe.prepare(chat("DeepSeek-V4.1-Flash", response_format={"type": "regex", "regex": "a"}))
+    assert err.code == "unsupported_parameter" and "not with drafting" in err.message
+    assert isinstance(recipe.prepare(chat("DeepSeek-V4.1-Flash")), Prepared)

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsjax.engine.sampling import MAX_LOGPROBS, SamplingArrays, SamplingModes, SamplingParams, sample
+from dsjax.engine.grammar import full_masks, only
+from dsjax.engine.sampling import MAX_LOGPROBS, SamplingArrays, SamplingModes, SamplingParams, allowed_tokens, sample
 
 LOGITS = np.log(np.asarray([0.05, 0.3, 0.1, 0.25, 0.02, 0.08, 0.2], np.float64)).astype(np.float32)
 
@@ -139,3 +140,60 @@ def test_modes_are_what_the_rows_need_and_wider_modes_pick_the_same_tokens():
     np.testing.assert_array_equal(np.asarray(need.logprob), np.asarray(wide.logprob))
     only_greedy = sample(logits, SamplingArrays.of([greedy] * 6, list(range(6))), pos)
     np.testing.assert_array_equal(np.asarray(only_greedy.token), np.asarray(jnp.argmax(logits, -1)))
+
+
+def _masks(rows_allowed, vocab):
+    masks = np.zeros((len(rows_allowed), (vocab + 31) // 32), np.int32)
+    for r, allowed in enumerate(rows_allowed):
+        only(masks, r, allowed)
+    return masks
+
+
+def test_the_bit_masks_unpack_to_the_allowed_tokens():
+    rng = np.random.default_rng(0)
+    vocab = 70  # a partial last word
+    rows = [sorted(rng.choice(vocab, k, replace=False).tolist()) for k in (1, 5, 31, 32, 33, 70)]
+    got = np.asarray(allowed_tokens(jnp.asarray(_masks(rows, vocab)), vocab))
+    for r, allowed in enumerate(rows):
+        assert np.flatnonzero(got[r]).tolist() == allowed
+    assert np.asarray(allowed_tokens(jnp.asarray(full_masks(2, vocab)), vocab)).all()
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_p=0.5),
+                                dict(temperature=0.7, top_k=2)])
+def test_masked_rows_pick_only_allowed_tokens_with_the_models_logprobs(kw):
+    n = 600
+    allowed = [[0, 4], [5], [2, 4, 5]]
+    masks = jnp.asarray(_masks([allowed[i % 3] for i in range(n)], LOGITS.size))
+    params = SamplingArrays.of([SamplingParams(**kw)] * n, np.arange(n) + 3)
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (n, LOGITS.size))
+    out = jax.jit(sample)(logits, params, jnp.zeros(n, jnp.int32), masks)
+    tokens = np.asarray(out.token)
+    for i in range(3):
+        picked = set(tokens[i::3].tolist())
+        assert picked <= set(allowed[i])
+        if kw["temperature"] == 0:
+            assert picked == {max(allowed[i], key=lambda t: LOGITS[t])}
+    own = jax.nn.log_softmax(jnp.asarray(LOGITS))
+    np.testing.assert_array_equal(np.asarray(out.logprob), np.asarray(own)[tokens])
+
+
+def test_masked_sampling_draws_from_the_renormalised_allowed_distribution():
+    n, allowed = 20000, [1, 2, 6]
+    masks = jnp.asarray(_masks([allowed] * n, LOGITS.size))
+    params = SamplingArrays.of([SamplingParams(temperature=1.0)] * n, np.arange(n) + 11)
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (n, LOGITS.size))
+    tokens = np.asarray(jax.jit(sample)(logits, params, jnp.zeros(n, jnp.int32), masks).token)
+    counts = np.bincount(tokens, minlength=LOGITS.size)[allowed]
+    p = np.exp(LOGITS[allowed]) / np.exp(LOGITS[allowed]).sum()
+    chi2 = ((counts - n * p) ** 2 / (n * p)).sum()
+    assert chi2 < 13.82, chi2  # chi-square, 2 degrees of freedom, p = 0.001
+
+
+def test_a_full_mask_changes_nothing():
+    n = 64
+    params = SamplingArrays.of([SamplingParams(temperature=0.8, top_p=0.9)] * n, np.arange(n))
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(n, 300)).astype(np.float32))
+    plain = jax.jit(sample)(logits, params, jnp.arange(n))
+    masked = jax.jit(sample)(logits, params, jnp.arange(n), jnp.asarray(full_masks(n, 300)))
+    np.testing.assert_array_equal(np.asarray(plain.token), np.asarray(masked.token))
