@@ -62,22 +62,23 @@ SUBJECTS = ["os.path.join", "json.dumps", "re.match", "collections.Counter", "it
             "pathlib.Path", "subprocess.run", "typing.Optional", "dataclasses.field", "math.isclose", "time.sleep"]
 
 
-def cases(count: int) -> list[dict]:
-    """`count` cases cycling through the schemas, the regexes and the choice; every fourth thinks first."""
+def cases(count: int, think_every: int = 4) -> list[dict]:
+    """`count` cases cycling through the schemas, the regexes and the choice; every `think_every`-th thinks first
+    (0: none does)."""
     kinds = ([("json", what, s) for what, s in SCHEMAS] + [("regex", what, r) for what, r in REGEXES]
              + [("regex", *CHOICE)])
     out = []
     for i in range(count):
         kind, what, fmt = kinds[i % len(kinds)]
         subject = SUBJECTS[(i // len(kinds)) % len(SUBJECTS)]
-        out.append({"id": f"case-{i:04d}", "kind": kind, "format": fmt, "think": i % 4 == 3,
+        out.append({"id": f"case-{i:04d}", "kind": kind, "format": fmt, "think": bool(think_every) and i % think_every == think_every - 1,
                     "prompt": f"About {subject}: reply with {what}."})
     return out
 
 
 def request(case: dict, model: str, constrained: bool) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": case["prompt"]}],
-            "max_tokens": 512 if case["think"] else 160, "temperature": 0.7, "top_p": 0.9, "seed": 1,
+            "max_tokens": 1536 if case["think"] else 160, "temperature": 0.7, "top_p": 0.9, "seed": 1,
             "thinking": {"type": "enabled" if case["think"] else "disabled"}}
     if constrained:
         body["response_format"] = (
@@ -99,9 +100,10 @@ def valid(case: dict, content: str | None) -> bool:
     return True
 
 
-def run(model_dir: str, count: int, out: str, slots: int, max_len: int, model_name: str) -> dict:
+def run(model_dir: str, count: int, out: str, slots: int, max_len: int, model_name: str, think_every: int = 4
+        ) -> dict:
     os.makedirs(out, exist_ok=True)
-    all_cases = cases(count)
+    all_cases = cases(count, think_every)
     report = {"count": count}
     for name, constrained in (("constrained", True), ("free", False)):
         inp, res = os.path.join(out, f"{name}.jsonl"), os.path.join(out, f"{name}.results.jsonl")
@@ -139,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--count", type=int, default=200)
     ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--model-name", default=None, help="the name requests give (default: the model folder's)")
+    ap.add_argument("--think-every", type=int, default=4, help="every N-th request thinks first (0: none)")
     a = ap.parse_args(argv)
     name = a.model_name or os.path.basename(os.path.normpath(os.path.abspath(a.model)))
-    report = run(a.model, a.count, a.out, a.slots, a.max_len, name)
+    report = run(a.model, a.count, a.out, a.slots, a.max_len, name, a.think_every)
     print("| run | valid | share | JSON | regex | errors |")
     print("|---|---:|---:|---:|---:|---:|")
     for k in ("constrained", "free"):

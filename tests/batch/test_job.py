@@ -218,8 +218,11 @@ def _run_until(cmd, env, out, n_records, sig):
 @pytest.mark.heavy
 def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp_path, tiny_model_dir):
     # Enough work after the first records that the signals land mid-job even on a fast machine.
-    items = [chat(f"r{i}", [{"role": "user", "content": f"Tell me {i}"}], max_tokens=12 + i % 4, seed=i,
-                  temperature=0.7) for i in range(40)]
+    # Deterministic sampling: temperature 0.7 and top_p 0.9 (with thinking off, where the recipe keeps them),
+    # seeded and unseeded (drawn from the job's seed and the custom_id), whatever batches the reruns make.
+    items = [chat(f"r{i}", [{"role": "user", "content": f"Tell me {i}"}], max_tokens=12 + i % 4, temperature=0.7,
+                  top_p=0.9, **({"seed": i} if i % 2 else {}), **({"thinking": {"type": "disabled"}} if i % 3 else {}))
+             for i in range(40)]
     inp = write_jsonl(tmp_path / "in.jsonl", items)
     reference, _ = job(tmp_path, tiny_model_dir, items, name="uninterrupted", run=RUN.replace(slots=2))
     out = str(tmp_path / "crash.jsonl")
