@@ -51,11 +51,15 @@ _RUN_FLAGS = {
     "drafts": ("--drafts", dict(type=lambda t: _drafts(t), metavar="N|auto"),
                "with --speculative dspark, the drafts verified per request a step; auto (default): 0, 2 or all, chosen "
                "each step from the drafter's confidence and the step times measured at start"),
+    "batch_invariant": ("--batch-invariant", dict(action="store_true"),
+                        "prefill each request alone, so that a request's logits and tokens are bit for bit the same "
+                        "whatever else is in the batch and whichever slot it takes (decode steps are already); costs "
+                        "prefill throughput where many requests arrive at once (docs/generate.md)"),
 }
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
 # For the commands that compile the engine's steps; those of V4.1's prefill and speculative decoding only where the
 # scheduler runs (generate, bench).
-_SCHEDULED = ("decoder_prefill", "speculative", "drafts")
+_SCHEDULED = ("decoder_prefill", "speculative", "drafts", "batch_invariant")
 _EVERY = tuple(f for f in _RUN_FLAGS if f not in _SCHEDULED)
 # Spellings that still work until 0.2, each printing the one that replaces it.
 _GOES_IN = "0.2"
@@ -119,14 +123,14 @@ def add_run_args(p: argparse.ArgumentParser, fields: tuple[str, ...], *, default
         if "dtype" not in fields:  # the command runs in RunConfig's dtype
             text = text.replace("--dtype", _RUN_DEFAULTS["dtype"])
         text = helps.get(name, text) + (f" (default {default})" if default is not None else "")
-        nargs = "+" if name in several else None
+        nargs = {"nargs": "+"} if name in several else {}  # a switch (store_true) takes no nargs at all
         olds = [o for o in old if _RENAMED_FLAGS[o] == flag]
         # An old name with the new one in a group of either, so that giving both is refused.
         where = p.add_mutually_exclusive_group(required=name in required) if olds else p
-        where.add_argument(flag, dest=name, default=default, nargs=nargs, help=text,
+        where.add_argument(flag, dest=name, default=default, **nargs, help=text,
                            **({"required": True} if name in required and not olds else {}), **how)
         for o in olds:
-            where.add_argument(o, dest=name, action=_OldSpelling, nargs=nargs, default=argparse.SUPPRESS,
+            where.add_argument(o, dest=name, action=_OldSpelling, **nargs, default=argparse.SUPPRESS,
                                help=argparse.SUPPRESS, **how)
 
 

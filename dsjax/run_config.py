@@ -72,7 +72,8 @@ class RunConfig:
     `chunk_size` tokens at a time; float weights and activations in `dtype`; the cache's K=V rows in
     `kv_dtype` (None: `dtype`); `weights`, `kernels`, `decoder_prefill` and `speculative` as the tuples above say;
     `drafts` the drafts a speculative step verifies per request (None: chosen each step from the drafter's
-    confidence and the measured step times); `mesh` a spec such as "dp=2,ep=4" (None: one device)."""
+    confidence and the measured step times); `mesh` a spec such as "dp=2,ep=4" (None: one device);
+    `batch_invariant` prefills each request alone, so that its logits do not depend on what else is in the batch."""
 
     slots: int = 8
     max_len: int = 4096
@@ -85,8 +86,11 @@ class RunConfig:
     decoder_prefill: str = "exact"
     speculative: str = "off"
     drafts: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.batch_invariant, bool):
+            raise RunConfigError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
         for name, least in (("slots", 1), ("max_len", 2), ("chunk_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:

@@ -15,12 +15,13 @@ from dsjax.run_config import DECODER_PREFILL, DTYPES, KERNELS, SPECULATIVE, WEIG
 
 FLAGS = {"slots": "--slots", "max_len": "--max-len", "chunk_size": "--chunk-size", "dtype": "--dtype",
          "kv_dtype": "--kv-dtype", "weights": "--weights", "kernels": "--kernels", "mesh": "--mesh",
-         "decoder_prefill": "--decoder-prefill", "speculative": "--speculative", "drafts": "--drafts"}
+         "decoder_prefill": "--decoder-prefill", "speculative": "--speculative", "drafts": "--drafts",
+         "batch_invariant": "--batch-invariant"}
 CHOICES = {"dtype": DTYPES, "kv_dtype": KV_DTYPES, "weights": WEIGHTS, "kernels": KERNELS,
            "decoder_prefill": DECODER_PREFILL, "speculative": SPECULATIVE}
 # The run options each sub-command takes: those it uses (V4.1's decoder prefill and speculative decoding where the
 # scheduler runs).
-SCHEDULED = {"decoder_prefill", "speculative", "drafts"}
+SCHEDULED = {"decoder_prefill", "speculative", "drafts", "batch_invariant"}
 EVERY = set(FLAGS) - SCHEDULED
 TAKES = {"info": {"max_len"}, "generate": EVERY | SCHEDULED, "convert": {"weights", "mesh"}, "plan": EVERY,
          "bench": EVERY - {"max_len", "dtype"} | SCHEDULED, "export": EVERY}

@@ -34,6 +34,7 @@ def test_defaults_are_valid_and_every_choice_is_taken():
     ("mesh", "xp=8", "mesh 'xp=8': expected comma-separated AXIS=SIZE"),
     ("mesh", "ep=2,ep=4", "mesh 'ep=2,ep=4': axis 'ep' given twice"),
     ("mesh", 8, "mesh must be a spec such as 'dp=2,ep=4', got 8"),
+    ("batch_invariant", 1, "batch_invariant must be true or false, got 1"),
 ])
 def test_each_bad_value_is_refused_naming_its_field(field, value, message):
     with pytest.raises(RunConfigError) as e:

@@ -241,6 +241,8 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                         now = {prefill_rows(min(first, slots), slots) if first else max(reachable)}
                         background = reachable - now if distributed.process_count() == 1 else set()
                         now |= reachable - background
+                        if cfg.run.batch_invariant:  # one request per prefill
+                            now, background = {prefill_rows(1, slots)}, set()
                         t, built, hits = time.perf_counter(), clock.programs, clock.cache_hits
                         n = engine.precompile(images=with_images and model.vision is not None, buckets=sorted(now),
                                               later=sorted(background), masked=constrained and not engine.drafting)

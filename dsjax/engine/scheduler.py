@@ -128,7 +128,13 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
                         drafts.ready()
                     cache = engine.new_cache()
                 with timer:
-                    cache, events = _prefill(engine, cache, slots, new, drafts)
+                    if engine.run.batch_invariant:  # each request alone: its rows never share a prefill
+                        events = []
+                        for one in new:
+                            cache, ev_one = _prefill(engine, cache, slots, [one], drafts)
+                            events += ev_one
+                    else:
+                        cache, events = _prefill(engine, cache, slots, new, drafts)
                 for ev in events:
                     yield ev
                     _drop_if_cancelled(slots, ev, cancelled)

@@ -556,6 +556,21 @@ def test_every_program_is_compiled_before_the_first_request(tmp_path, tiny_model
     assert s["programs_compiled_during_generation"] == 0
 
 
+def test_a_late_format_and_one_request_prefills_are_compiled_before_the_first_request(tmp_path, tiny_model_dir):
+    """A constrained request late in the input (after a window of greedy ones) and `batch_invariant`'s prefills of
+    one request: both were built before the loop (the input is scanned for formats at start-up)."""
+    greedy = [chat(f"greedy-{i}", [{"role": "user", "content": "Hi " * i}], max_tokens=4, temperature=0,
+                   thinking={"type": "disabled"}) for i in range(4)]
+    late = chat("late-regex", [{"role": "user", "content": "Pick"}], max_tokens=8, temperature=0.8, seed=3,
+                thinking={"type": "disabled"}, response_format={"type": "regex", "regex": "(up|down)"})
+    recs, s = job(tmp_path, tiny_model_dir, greedy + [late], run=RUN.replace(slots=3, max_len=456, batch_invariant=True),
+                  window=2)
+    assert s["requests_ok"] == 5 and s["programs_compiled_during_generation"] == 0
+    assert s["config"]["run"]["batch_invariant"] is True
+    answer = by_id(recs)["late-regex"]["response"]["body"]["choices"][0]
+    assert answer["message"]["content"] in ("up", "down") and answer["finish_reason"] == "stop"
+
+
 @pytest.mark.heavy
 def test_a_v41_checkpoint_runs_the_job_in_its_own_format_with_the_packed_cache(tmp_path, capsys):
     """A synthetic DeepSeek-V4.1 checkpoint (release layout, tiny-v4.1) through `dsjax generate` with the

@@ -48,6 +48,28 @@ def test_batch_and_slot_invariance(load_case, engine_for):
                                        atol=1e-5)
 
 
+def test_the_batch_invariant_mode_gives_a_request_the_same_bits_in_any_batch_and_slot(load_case):
+    """One request alone and inside batches of 2, 7 and 32 at their first, middle and last places: the same tokens
+    and bitwise-equal logprobs, greedy and sampled at temperature 0.7 and top_p 0.9 (prefills of one request; the
+    decode step's shape never depends on the batch)."""
+    model = load_case("mixed")
+    engine = Engine(model, RunConfig(slots=32, max_len=64, chunk_size=16, batch_invariant=True))
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, model.cfg.vocab_size, n)) for n in rng.integers(2, 40, 32)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[], logprobs=2),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=77, max_tokens=12, stop_token_ids=[], logprobs=2)]
+    for sp in params:
+        alone = generate(model, [prompts[0]], sp, engine=engine)[0]
+        for size in (2, 7, 32):
+            for at in sorted({0, size // 2, size - 1}):
+                batch = prompts[1:size]
+                batch.insert(at, prompts[0])
+                res = generate(model, batch, sp, engine=engine)[at]
+                assert res.tokens == alone.tokens, (sp.temperature, size, at)
+                assert [lp.logprob for lp in res.logprobs] == [lp.logprob for lp in alone.logprobs], (size, at)
+                assert [lp.top for lp in res.logprobs] == [lp.top for lp in alone.logprobs]
+
+
 def test_seeded_sampling_is_reproducible_and_seeds_differ(load_case, engine_for):
     model, engine = load_case("legacy"), engine_for("legacy")
     prompt = [[3, 4, 5, 6]]
