@@ -100,6 +100,7 @@ class Engine:
             self.widths = auto_widths(k) if run.drafts is None else (run.drafts + 1,)
         self._target_jits = {w: functools.partial(steps.spec_target, self._static, w) for w in self.widths}
         self.width_seconds: np.ndarray | None = None
+        self.measure_seconds = 0.0  # of the last `measure_widths`, reading stored times included
 
     @property
     def num_slots(self) -> int:
@@ -348,6 +349,7 @@ class Engine:
 
         Prefill buckets still compiling in the background are waited for first: a compile beside the timed steps
         slows them unevenly, and the times are kept for every later run on the machine."""
+        t0 = time.perf_counter()
         k = self.cfg.dspark_block_size
         key = None
         if self.programs is not None and jax.process_count() == 1:
@@ -356,6 +358,7 @@ class Engine:
             stored = self.programs.load_value(key)
             if stored is not None and len(stored) == k + 1:
                 self.width_seconds = np.asarray(stored, np.float64)
+                self.measure_seconds = time.perf_counter() - t0
                 return self.width_seconds
         if self.background is not None:
             self.background.join()
@@ -377,7 +380,7 @@ class Engine:
                 times.append(time.perf_counter() - t)
             seconds[w - 1] = float(np.median(times[1:]))
         del cache, state
-        self.width_seconds = seconds
+        self.width_seconds, self.measure_seconds = seconds, time.perf_counter() - t0
         if key is not None:
             self.programs.save_value(key, [float(x) for x in seconds])
         return seconds
@@ -411,7 +414,8 @@ class Engine:
         `later` names more prefill row buckets, built (or loaded) in a background thread once the others
         are ready, smallest first, while the engine runs: the set of programs is fixed here, and until a
         bucket is ready a prefill takes the smallest ready one that holds its rows (`prefill_size`).
-        `close()` stops that thread after the program it is building."""
+        `close()` stops that thread after the program it is building. With speculative decoding over several
+        widths, the widths' step times are measured (`measure_widths`) before that thread starts."""
         self.spliced_prefill = self.spliced_prefill or images
         shapes = jax.eval_shape(lambda: init_cache(self.model, self.num_slots, self.max_len, kv_dtype=self.kv_dtype))
         specs = steps.cache_specs(shapes) if jax.sharding.get_mesh().axis_names else jax.tree.map(
@@ -473,6 +477,10 @@ class Engine:
         per_bucket = [[prefill_encoder(rows), prefill(rows)] if self._decoder_keep is not None else [prefill(rows)]
                       for rows in rest]
         missing = self._unstored(p for programs in per_bucket for p in programs)  # stored ones load now
+        if self.drafting and len(self.widths) > 1 and self.width_seconds is None:
+            # Timed now, with nothing compiling beside the steps: waiting for the background's prefill sizes
+            # (measure_widths would) could hold the work back for minutes.
+            self.measure_widths()
         if missing:
             with self._ready:
                 self._later |= {slot[1] for slot, *_ in missing}

@@ -197,6 +197,22 @@ def test_the_widths_are_timed_after_the_background_compiles(engine, monkeypatch)
     assert alive_while_timed == [False, False], alive_while_timed
 
 
+def test_precompile_times_the_widths_before_its_background_compiles_start(model, monkeypatch):
+    """A job must not wait for the background's prefill sizes (minutes on a GPU) before its first request: the
+    widths are timed once the programs it needs now are built, before the background thread starts."""
+    auto = Engine(model, BASE.replace(speculative="dspark", slots=8))
+    started = []
+    real = Engine.speculate
+    monkeypatch.setattr(Engine, "speculate", lambda self, *a, **k: started.append(self.background is not None)
+                        or real(self, *a, **k))
+    try:
+        auto.precompile(buckets=[1], later=[2, 4])
+    finally:
+        auto.close()
+    assert started and not any(started), started
+    assert auto.width_seconds is not None and auto.measure_seconds > 0
+
+
 def test_the_widths_are_timed_with_every_row_fed(engine, monkeypatch):
     fed = []
     real = Engine.speculate
