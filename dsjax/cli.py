@@ -336,6 +336,7 @@ def _generate(args: argparse.Namespace) -> int:
                     allow_remote_images=args.allow_remote_images, served_model_names=tuple(args.served_model_name),
                     prompt_format=args.prompt_format,
                     image_root=args.image_root, allow_changed_input=args.allow_changed_input,
+                    thinking_budget=args.thinking_budget,
                     progress=not args.quiet, verbose=args.verbose)
     try:
         s = run_job(cfg)
@@ -493,6 +494,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-changed-input", action="store_true",
                    help="resume an output although the input changed since it was started (lines whose "
                         "custom_id already has a record are skipped); without it such a resume is refused")
+    p.add_argument("--thinking-budget", type=int, metavar="TOKENS",
+                   help="the most tokens a thinking part may take: then </think> is forced, so the answer (and an "
+                        "output format) gets the rest of max_tokens; a Messages request's thinking.budget_tokens "
+                        "overrides it (default: no limit but max_tokens)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _verbose_arg(p)
     distributed.add_distributed_args(p)

@@ -2,7 +2,7 @@
 choice, run with their formats and again without (the same prompts), and the share of outputs that parse and
 validate in each.
 
-    python scripts/structured_outputs.py --model dsjax/embedded/model --count 200 --out /tmp/so
+    python scripts/structured_outputs.py --model dsjax/embedded/model --count 200 --out /tmp/so --thinking-budget 1024
 
 Writes `constrained.jsonl`, `free.jsonl` (inputs), their results and summaries, and `report.json`; prints a table.
 """
@@ -100,11 +100,11 @@ def valid(case: dict, content: str | None) -> bool:
     return True
 
 
-def run(model_dir: str, count: int, out: str, slots: int, max_len: int, model_name: str, think_every: int = 4
-        ) -> dict:
+def run(model_dir: str, count: int, out: str, slots: int, max_len: int, model_name: str, think_every: int = 4,
+        thinking_budget: int | None = None) -> dict:
     os.makedirs(out, exist_ok=True)
     all_cases = cases(count, think_every)
-    report = {"count": count}
+    report = {"count": count, "thinking_budget": thinking_budget}
     for name, constrained in (("constrained", True), ("free", False)):
         inp, res = os.path.join(out, f"{name}.jsonl"), os.path.join(out, f"{name}.results.jsonl")
         with open(inp, "w", encoding="utf-8") as f:
@@ -112,7 +112,8 @@ def run(model_dir: str, count: int, out: str, slots: int, max_len: int, model_na
         for p in (res, os.path.splitext(res)[0] + ".summary.json"):
             if os.path.exists(p):
                 os.remove(p)
-        summary = run_job(JobConfig(model_dir, inp, res, RunConfig(slots=slots, max_len=max_len), progress=False))
+        summary = run_job(JobConfig(model_dir, inp, res, RunConfig(slots=slots, max_len=max_len), progress=False,
+                                    thinking_budget=thinking_budget))
         records = {r["custom_id"]: r for r in map(json.loads, open(res, encoding="utf-8"))}
         ok, errors, by_kind = 0, 0, {}
         for c in all_cases:
@@ -144,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--model-name", default=None, help="the name requests give (default: the model folder's)")
     ap.add_argument("--think-every", type=int, default=4, help="every N-th request thinks first (0: none)")
+    ap.add_argument("--thinking-budget", type=int, default=None,
+                    help="the job's thinking budget (`dsjax generate --thinking-budget`; default: none)")
     a = ap.parse_args(argv)
     name = a.model_name or os.path.basename(os.path.normpath(os.path.abspath(a.model)))
-    report = run(a.model, a.count, a.out, a.slots, a.max_len, name, a.think_every)
+    report = run(a.model, a.count, a.out, a.slots, a.max_len, name, a.think_every, a.thinking_budget)
     print("| run | valid | share | JSON | regex | errors |")
     print("|---|---:|---:|---:|---:|---:|")
     for k in ("constrained", "free"):

@@ -59,10 +59,17 @@ def split(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, st
 
 
 def asks_for_format(url: str, body: Any) -> bool:
-    """Whether a request body asks for a constrained output format (read before the recipe: cheap, and a request
-    it misjudges costs only a program compiled mid-job)."""
+    """Whether a request body asks for a constrained output: a format, strict tools or a required tool call (read
+    before the recipe: cheap, and a request it misjudges costs only a program compiled mid-job)."""
     if not isinstance(body, dict):
         return False
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    choice = body.get("tool_choice")
+    if tools and (choice == "required" or isinstance(choice, dict) and choice.get("type") not in (None, "auto", "none")):
+        return True  # a required or named tool call
+    if any(isinstance(t, dict) and (t.get("strict") is True or isinstance(t.get("function"), dict)
+                                    and t["function"].get("strict") is True) for t in tools):
+        return True
     if url == "/v1/chat/completions":
         fmt = body.get("response_format")
     elif url == "/v1/responses":
@@ -73,12 +80,15 @@ def asks_for_format(url: str, body: Any) -> bool:
 
 
 def recipe_constraint(kind: str, schema: str) -> tuple[str, str]:
-    """A constraint the recipe read (`OutputConstraint.kind` "json" or "regex", and its text) as a `Constraint`
-    kind and text. The recipe's empty JSON schema is json_object's: an object, as OpenAI's JSON mode gives."""
+    """A constraint the recipe read (`OutputConstraint.kind` and its text) as a `Constraint` kind and text, or as
+    ("tool_calls", the tool list) for `batch.tool_calls`. The recipe's empty JSON schema is json_object's: an
+    object, as OpenAI's JSON mode gives."""
     if kind == "json":
         return "json_schema", schema or '{"type": "object"}'
     if kind == "regex":
         return "regex", schema
+    if kind in ("tool_call", "tool_call_required"):
+        return "tool_calls", schema
     raise ValueError(f"no grammar for the recipe's constraint kind {kind!r}")
 
 

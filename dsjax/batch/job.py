@@ -47,6 +47,7 @@ from dsjax.engine.programs import program_store
 from dsjax.engine.scheduler import Request, StepTimer, run
 from dsjax.engine.speculative import check_drafting
 from dsjax.engine.slots import prefill_buckets, prefill_rows
+from dsjax.engine.thinking_budget import ThinkingBudget
 from dsjax.model import expert_code_layout, with_code_layout
 from dsjax.parallel import distributed
 from dsjax.run_config import RunConfig
@@ -79,6 +80,9 @@ class JobConfig:
     allow_changed_input: bool = False  # resume an output that was started from a different input
     progress: bool = True  # the progress bar and one line per start-up phase (on stderr)
     verbose: bool = False  # also the functions that took longest to compile
+    # The most tokens a thinking part may take before `</think>` is forced (a Messages request's
+    # thinking.budget_tokens overrides it); None: no limit but max_tokens.
+    thinking_budget: int | None = None
 
 
 def _pending(path: str, is_done: Callable[[InputLine], bool]) -> tuple[int, int, bool, bool]:
@@ -90,8 +94,15 @@ def _pending(path: str, is_done: Callable[[InputLine], bool]) -> tuple[int, int,
         if not is_done(line):
             pending += 1
             images = images or (not line.error and count_images(line.body) > 0)
-            constrained = constrained or (not line.error and asks_for_format(line.url, line.body))
+            constrained = constrained or (not line.error and (asks_for_format(line.url, line.body)
+                                                              or _asks_for_budget(line.url, line.body)))
     return total, pending, images, constrained
+
+
+def _asks_for_budget(url: str, body) -> bool:
+    """Whether a Messages request gives its thinking part a budget (the other protocols have none)."""
+    thinking = body.get("thinking") if url == "/v1/messages" and isinstance(body, dict) else None
+    return isinstance(thinking, dict) and thinking.get("budget_tokens") is not None
 
 
 def _phase_printer(on: bool) -> Callable[[str], None]:
@@ -245,7 +256,9 @@ def _run_job(cfg: JobConfig, main: bool, stopper: _Stopper) -> dict[str, Any]:
                             now, background = {prefill_rows(1, slots)}, set()
                         t, built, hits = time.perf_counter(), clock.programs, clock.cache_hits
                         n = engine.precompile(images=with_images and model.vision is not None, buckets=sorted(now),
-                                              later=sorted(background), masked=constrained and not engine.drafting)
+                                              later=sorted(background),
+                                              masked=(constrained or cfg.thinking_budget is not None)
+                                              and not engine.drafting)
                         phase["precompile"] = time.perf_counter() - t
                         programs_before[0] = clock.programs  # what follows is the generation's
                         loaded = engine.programs_loaded
@@ -389,6 +402,12 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
         raise JobError(f"window must be an integer of at least 1, got {cfg.window!r}")
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2 ** 63:
         raise JobError(f"seed must be an integer in [0, 2^63), got {cfg.seed!r}")
+    budget = cfg.thinking_budget
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise JobError(f"thinking_budget must be an integer >= 0 (or None: no limit), got {budget!r}")
+    if budget is not None and cfg.run.speculative != "off":
+        raise JobError(f"a thinking budget does not combine with --speculative {cfg.run.speculative} yet (its forced "
+                       "end of thinking is a token mask, which the drafts' steps do not take)")
     names = cfg.served_model_names
     if isinstance(names, str) or any(not isinstance(n, str) or not n.strip() for n in names):
         raise JobError(f"served model names must be non-empty strings, got {names!r}")
@@ -444,7 +463,7 @@ def _check(cfg: JobConfig, writes: bool = True) -> _Setup:
         recipe = Recipe(tokenizer, context, model_cfg.eos_token_id, prompt_format=fmt,
                         served_names=names or default_served_names(cfg.model, fmt), vision=model_cfg.vision,
                         images=ImageResolver(allow_remote=cfg.allow_remote_images), image_root=image_root,
-                        vocab_size=model_cfg.vocab_size, no_formats=no_formats)
+                        vocab_size=model_cfg.vocab_size, no_formats=no_formats, thinking_budget=cfg.thinking_budget)
     except ValueError as e:
         raise JobError(str(e)) from None
     return _Setup(recipe, sized, mesh)
@@ -592,7 +611,7 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
     their requests, `IMAGE_REQUESTS` at a time, not a window at a time: the first results do not wait for
     a whole window's images, and no more embeddings are held than the requests in flight need."""
     preps: dict[int, Prepared] = {}  # requests handed to the scheduler and not finished yet
-    matchers: dict[int, Matcher] = {}  # of those with an output format
+    matchers: dict[int, Matcher | ThinkingBudget] = {}  # of those with an output format or a thinking budget
     streams = {}
     next_index = itertools.count()
     cancelled: set[int] = set()
@@ -664,9 +683,11 @@ def _run(cfg, engine, recipe, results, is_done, stats, timer, bar, working: Call
             if seed is None:  # stable per custom_id: a request's draw does not depend on where it sits
                 digest = hashlib.sha256(prep.line.custom_id.encode("utf-8", "surrogatepass")).digest()
                 seed = request_seed(cfg.seed, int.from_bytes(digest[:8]))
-            matcher = None
-            if prep.constraint is not None:
-                matcher = matchers[index] = recipe.grammars.matcher(prep.constraint)
+            matcher = recipe.grammars.matcher(prep.constraint) if prep.constraint is not None else None
+            if prep.thinking_budget is not None:
+                matcher = ThinkingBudget(recipe.thinking_end_id, prep.thinking_budget, matcher)
+            if matcher is not None:
+                matchers[index] = matcher
             yield Request(index, tuple(prep.prompt), prep.sampling, seed, frozenset(prep.sampling.stop_token_ids),
                           spliced, matcher)
 

@@ -4,8 +4,8 @@ names it, never silently ignored.
 deepseek-recipe reads many options that only a hosted API acts on, and accepts sampling options that
 dsjax's sampler does not have (penalties, logit bias, top-k). A request that asks for any of them would be
 answered as if it had not, so it is refused here, before conversion. Output formats (JSON, JSON schemas,
-regexes, EBNF grammars) are enforced by constrained decoding (`batch.formats`); a required tool call and
-strict tool arguments are not yet, and are refused.
+regexes, EBNF grammars), strict tool arguments and required tool calls are enforced by constrained decoding
+(`batch.formats`, `batch.tool_calls`).
 """
 
 from __future__ import annotations
@@ -60,9 +60,6 @@ def _messages_tool_choice(value: Any) -> str | None:
     if isinstance(value, dict) and value.get("disable_parallel_tool_use") is True:
         return ("tool_choice.disable_parallel_tool_use is not supported: dsjax cannot limit the model to one "
                 "tool call; drop it")
-    if isinstance(value, dict) and value.get("type") in ("any", "tool"):
-        return (f"tool_choice of type {value['type']!r} makes a tool call required, which needs constrained "
-                "decoding; dsjax does not do that yet")
     return None
 
 
@@ -73,16 +70,12 @@ def _positive(value: Any) -> str | None:
 
 
 def _tools(value: Any) -> str | None:
-    """Strict tool schemas are structured outputs; server tools (web search and the like) run nowhere."""
+    """Server tools (web search and the like) run nowhere."""
     if not isinstance(value, list):
         return None
     for tool in value:
         if not isinstance(tool, dict):
             continue
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-        if fn.get("strict") is True:
-            return ("a tool with strict: true needs its arguments enforced by constrained decoding, which dsjax "
-                    "does not do for tool calls yet (it does for response formats); drop strict")
         if tool.get("type") not in (None, "function", "custom") and "input_schema" not in tool:
             return f"the tool type {tool.get('type')!r} is a hosted tool: a batch job runs no tools; drop it"
     return None
@@ -207,14 +200,12 @@ def unsupported_option(url: str, body: dict[str, Any]) -> ErrorInfo | None:
 
 
 def unenforced_constraint(kind: str | None) -> ErrorInfo | None:
-    """An error for an output constraint the recipe found that dsjax's constrained decoding does not keep (a
-    required tool call), or None (none, optional tool calls, or a format it enforces: JSON, a regex)."""
-    if kind in (None, "tool_call", "json", "regex"):
+    """An error for an output constraint the recipe found that dsjax's constrained decoding does not know (a
+    kind of a later recipe), or None (none, or one it enforces: JSON, a regex, tool calls)."""
+    if kind in (None, "tool_call", "tool_call_required", "json", "regex"):
         return None
-    what = {"tool_call_required": "a tool call that must be made (tool_choice 'required' or a named tool)"}.get(
-        kind, repr(kind))
-    return ErrorInfo("unsupported_parameter", f"the request asks for {what}, which needs constrained decoding of "
-                                              "tool calls; dsjax does not do that yet")
+    return ErrorInfo("unsupported_parameter", f"the request asks for an output constraint of kind {kind!r}, which "
+                                              "dsjax's constrained decoding does not know")
 
 
 def _name(key: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 
 import deepseek_recipe as dr
 
-from dsjax.batch import formats
+from dsjax.batch import formats, tool_calls
 from dsjax.batch.bodies import complete_body
 from dsjax.batch.images import ImageRefused, ImageResolver, LocalImageError, count_images, inline_local_images
 from dsjax.batch.jobfile import ErrorInfo, InputLine, clip
@@ -57,6 +58,7 @@ class Prepared:
     _response_id: str
     images: tuple[ImageSpan, ...] = ()
     constraint: Constraint | None = None  # the output format it asks for, enforced by constrained decoding
+    thinking_budget: int | None = None  # the most tokens its thinking part may take (engine.thinking_budget)
 
 
 class ResponseStream:
@@ -121,15 +123,17 @@ class Recipe:
     (responses carry the name it used). With `vision` (the model's image encoder config) requests may
     hold images: `images` resolves them (remote URLs refused unless it allows them), local image files
     are read from `image_root`, and each image's placeholder is expanded to the encoder's token count
-    for it (`Prepared.images`). An output format (`batch.formats`) becomes the request's `Prepared.constraint`,
-    its grammar compiled here (`grammars`, for the model's `vocab_size` logits; an invalid one is the request's
-    error); with `no_formats` (the reason) such requests are refused instead. Raises ValueError
+    for it (`Prepared.images`). An output format (`batch.formats`), strict tools or a required tool call
+    (`batch.tool_calls`) become the request's `Prepared.constraint`, its grammar compiled here (`grammars`, for the model's `vocab_size` logits; an invalid one is the request's
+    error); with `no_formats` (the reason) such requests are refused instead. A response that starts in a thinking
+    part gets `thinking_budget` (or its Messages request's `thinking.budget_tokens`) as its
+    `Prepared.thinking_budget`. Raises ValueError
     naming the file when the tokenizer cannot be read or cannot encode the prompt format."""
 
     def __init__(self, tokenizer_path: str, context_limit: int, eos_token_ids: tuple[int, ...],
                  prompt_format: str | None = None, served_names: Sequence[str] = (),
                  vision: VisionConfig | V41VisionConfig | None = None, images: ImageResolver | None = None, image_root: str = ".",
-                 vocab_size: int | None = None, no_formats: str | None = None):
+                 vocab_size: int | None = None, no_formats: str | None = None, thinking_budget: int | None = None):
         if prompt_format is None:
             prompt_format = _format_for(vision)
         if prompt_format not in PROMPT_FORMATS:
@@ -146,6 +150,7 @@ class Recipe:
         self.options = dr.ConversionOptions().with_model_versions_by_name({n: version for n in self.served_names})
         self.vision, self.images, self.image_root = vision, images or ImageResolver(), image_root
         self._tokenizer_path, self._vocab_size, self.no_formats = tokenizer_path, vocab_size, no_formats
+        self.thinking_budget = thinking_budget
         self._grammars: Grammars | None = None  # made at the first request with a format
         self._grammars_lock = threading.Lock()
         ends = self.tokenizer.encode(dr.SpecialToken.ThinkingEnd.default_str())
@@ -216,9 +221,16 @@ class Recipe:
         found = conversation.inference_options.output_constraint
         if (bad := unenforced_constraint(found.kind if found is not None else None)) is not None:
             return bad
+        if found is not None and found.kind.startswith("tool_call"):
+            if found.kind == "tool_call" and not tool_calls.strict_tools(found.schema):
+                found = None  # optional calls of tools that are not strict: nothing to hold them to
+            elif own_format is not None:
+                return ErrorInfo("unsupported_parameter", "the request asks for an output format and for strict "
+                                                          "tools or a required tool call: dsjax enforces one or "
+                                                          "the other; drop one")
         constraint = self._constraint(own_format or (
-            formats.recipe_constraint(found.kind, found.schema) if found is not None and found.kind != "tool_call"
-            else None), conversation.parsing_options)
+            formats.recipe_constraint(found.kind, found.schema) if found is not None else None),
+            conversation.parsing_options)
         if isinstance(constraint, ErrorInfo):
             return constraint
         sources = [s for m in conversation.conversation.messages for s in m.image_sources]
@@ -248,6 +260,9 @@ class Recipe:
                                       logprobs=n_logprobs)
         except ValueError as e:
             return ErrorInfo("invalid_request", f"unsupported sampling options: {_clip(e)}")
+        budget = self._thinking_budget(line, conversation.parsing_options, max_tokens)
+        if isinstance(budget, ErrorInfo):
+            return budget
         response_id = id_prefix + uuid.uuid4().hex
 
         def generator():
@@ -257,7 +272,25 @@ class Recipe:
             return gen
 
         return Prepared(line, list(prompt), sampling, conversation, generator, response_cls, model, response_id,
-                        images, constraint)
+                        images, constraint, budget)
+
+    def _thinking_budget(self, line: InputLine, parsing, max_tokens: int) -> int | None | ErrorInfo:
+        """The request's thinking budget (Messages' `thinking.budget_tokens`, else the job's), where its response
+        starts in a thinking part and the budget is below its `max_tokens`; else None."""
+        thinking = line.body.get("thinking") if line.url == "/v1/messages" else None
+        asked = thinking.get("budget_tokens") if isinstance(thinking, dict) else None
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 0):
+            return ErrorInfo("invalid_request", f"thinking.budget_tokens must be an integer >= 0, got {asked!r}")
+        budget = asked if asked is not None else self.thinking_budget
+        stage = parsing.thinking_initial_stage
+        if budget is None or budget >= max_tokens or stage is None or not stage.starts_in_reasoning():
+            return None
+        if self.thinking_end_id is None:
+            return ErrorInfo("unsupported_parameter", "a thinking budget needs the tokenizer's end-of-thinking "
+                                                      "token, which it lacks")
+        if self.no_formats is not None:
+            return ErrorInfo("unsupported_parameter", f"the request has a thinking budget: {self.no_formats}")
+        return budget
 
     @property
     def grammars(self) -> Grammars:
@@ -275,7 +308,10 @@ class Recipe:
         if spec is None:
             return None
         if self.no_formats is not None:
-            return ErrorInfo("unsupported_parameter", f"the request asks for an output format: {self.no_formats}")
+            what = "strict tools or a required tool call" if spec[0] == "tool_calls" else "an output format"
+            return ErrorInfo("unsupported_parameter", f"the request asks for {what}: {self.no_formats}")
+        if spec[0] == "tool_calls":
+            return self._tool_constraint(spec[1], parsing)
         after = None
         stage = parsing.thinking_initial_stage
         if stage is not None and stage.starts_in_reasoning():
@@ -283,11 +319,38 @@ class Recipe:
                 return ErrorInfo("unsupported_parameter", "an output format after the thinking part needs the "
                                                           "tokenizer's end-of-thinking token, which it lacks")
             after = self.thinking_end_id
-        constraint = Constraint(*spec, after=after)
+        return self._compiled(Constraint(*spec, after=after), "invalid_response_format", "the output format")
+
+    def _tool_constraint(self, tools_json: str, parsing) -> Constraint | ErrorInfo:
+        """The grammar of the tool-call block: from its first invoke where the prompt opened the block (a
+        required call), else from the block's first `｜DSML｜` token, which the output need not reach."""
+        ids = self.tokenizer.encode(dr.SpecialToken.Dsml.default_str())
+        if len(ids) != 1:
+            return ErrorInfo("unsupported_parameter", "strict tools and required tool calls need the tokenizer's "
+                                                      f"{dr.SpecialToken.Dsml.default_str()} token, which it lacks")
+        opened = parsing.starts_in_tool_calls
+        try:
+            grammar = tool_calls.tool_call_grammar(tools_json, ids[0], opened, self.prompt_format)
+        except ValueError as e:
+            return ErrorInfo("invalid_request", f"the request's tools cannot be enforced: {_clip(e)}")
+        constraint = Constraint("lark", grammar, after=None if opened else ids[0], optional=not opened)
+        compiled = self._compiled(constraint, "invalid_tool_schema", "the tools' parameter schemas")
+        if isinstance(compiled, ErrorInfo):  # name the parameter: llguidance's message quotes grammar lines
+            for tool, name, value in tool_calls.parameter_grammars(tools_json):
+                try:
+                    self.grammars.check(Constraint("lark", value))
+                except GrammarError as e:
+                    why = re.sub(r"^at \d+\(\d+\): ", "", " ".join(str(e).split()))
+                    return ErrorInfo("invalid_tool_schema", f"tool {tool!r}: parameter {name!r} cannot be enforced: "
+                                                            f"{_clip(why)}")
+        return compiled
+
+    def _compiled(self, constraint: Constraint, code: str, what: str) -> Constraint | ErrorInfo:
+        """`constraint`, its grammar compiled into the cache, or the error naming what is wrong with it."""
         try:
             self.grammars.check(constraint)
         except GrammarError as e:
-            return ErrorInfo("invalid_response_format", f"the output format cannot be enforced: {_clip(e)}")
+            return ErrorInfo(code, f"{what} cannot be enforced: {_clip(e)}")
         return constraint
 
     def _expand_images(self, prompt: list[int], sources) -> tuple[list[int], tuple[ImageSpan, ...]] | ErrorInfo:

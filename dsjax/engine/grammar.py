@@ -3,9 +3,10 @@ grammar), compiled by llguidance against the model's tokenizer, and the per-requ
 masks the sampler applies on the device (`sampling.sample`'s `mask_bw`).
 
 A mask is a row of `mask_words(vocab)` int32 words, bit `t % 32` of word `t // 32` set where token t is
-allowed. A grammar that starts after a trigger token (`Constraint.after`: the end of the thinking part)
-leaves every token but the stop tokens free until the trigger, then holds the rest to the grammar; the stop
-tokens are allowed only where the grammar is complete, so a constrained output always parses.
+allowed. A grammar that starts after a trigger token (`Constraint.after`: the end of the thinking part, or the
+token that opens a tool call) leaves every token but the stop tokens free until the trigger, then holds the rest
+to the grammar; the stop tokens are allowed only where the grammar is complete (or, for an `optional` grammar,
+also before the trigger), so a constrained output always parses.
 """
 
 from __future__ import annotations
@@ -32,15 +33,19 @@ class GrammarError(ValueError):
 class Constraint:
     """What a request's output must match: a `kind` of `KINDS` and its `text` (a JSON schema as JSON text, a
     regular expression, a GBNF-style EBNF grammar with a `root` rule, a Lark grammar with a `start` rule);
-    `after`, a token id the constraint starts after (None: from the first token)."""
+    `after`, a token id the constraint starts after (None: from the first token); `optional`: an output that
+    never emits `after` is complete too (an optional tool call)."""
 
     kind: str
     text: str
     after: int | None = None
+    optional: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"a constraint's kind must be one of {KINDS}, got {self.kind!r}")
+        if self.optional and self.after is None:
+            raise ValueError("an optional constraint needs the token it starts after")
 
     def grammar(self, stop_ids: Sequence[int]) -> str:
         """The llguidance grammar (its JSON form); `stop_ids` are kept out of the free part before `after`."""
@@ -68,7 +73,8 @@ class Constraint:
             body.pop("name")
             return json.dumps({"grammars": [body]})
         free = ",".join(str(t) for t in sorted({*stop_ids, self.after}))
-        top = {"lark_grammar": f"start: <[^{free}]>* <[{self.after}]> @body"}
+        rest = f"(<[{self.after}]> @body)?" if self.optional else f"<[{self.after}]> @body"
+        top = {"lark_grammar": f"start: <[^{free}]>* {rest}"}
         return json.dumps({"grammars": [top, body]})
 
 

@@ -18,6 +18,7 @@ from dsjax.engine.acceptance import Acceptance
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.engine import Engine, Spliced
 from dsjax.engine.grammar import Matcher, full_masks
+from dsjax.engine.thinking_budget import ThinkingBudget
 from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingParams
 
 _IDLE = SamplingParams(temperature=0.0)
@@ -32,8 +33,9 @@ class Request:
     stop_token_ids: frozenset[int]
     # Embeddings that replace the prompt's at some positions (an image's, at its placeholders).
     spliced: Spliced | None = None
-    # The grammar its tokens must follow (constrained decoding), advanced here as tokens are emitted.
-    matcher: Matcher | None = None
+    # The grammar its tokens must follow (constrained decoding) or its thinking budget, advanced here as tokens are
+    # emitted.
+    matcher: Matcher | ThinkingBudget | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,11 +60,21 @@ def test_the_prescan_sees_every_format_and_only_formats():
     assert not asks_for_format(CHAT, {"response_format": {"type": "text"}})
     assert not asks_for_format(RESP, {"text": {"format": {"type": "text"}}})
     assert not asks_for_format(MSG, {"messages": []}) and not asks_for_format(CHAT, ["not", "a", "body"])
+    # strict tools and required tool calls are constrained too
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert not asks_for_format(CHAT, {"tools": [tool], "tool_choice": "auto"})
+    assert asks_for_format(CHAT, {"tools": [tool], "tool_choice": "required"})
+    assert asks_for_format(CHAT, {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert asks_for_format(CHAT, {"tools": [{**tool, "function": {**tool["function"], "strict": True}}]})
+    assert asks_for_format(RESP, {"tools": [{"type": "function", "name": "f", "strict": True}]})
+    assert asks_for_format(MSG, {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "any"}})
+    assert not asks_for_format(MSG, {"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "auto"}})
 
 
 def test_the_recipes_constraints_become_grammars():
     assert recipe_constraint("json", "") == ("json_schema", '{"type": "object"}')
     assert recipe_constraint("json", '{"type":"array"}') == ("json_schema", '{"type":"array"}')
     assert recipe_constraint("regex", "a+") == ("regex", "a+")
-    with pytest.raises(ValueError, match="tool_call_required"):
-        recipe_constraint("tool_call_required", "[]")
+    assert recipe_constraint("tool_call_required", "[]") == ("tool_calls", "[]")
+    with pytest.raises(ValueError, match="'grammar'"):
+        recipe_constraint("grammar", "x")

@@ -75,9 +75,6 @@ def test_options_that_would_be_ignored_are_refused():
     m = "DeepSeek-V4.1-Flash"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     for line in (chat(m, logit_bias={"5": 1}),
-                 chat(m, tools=tools, tool_choice="required", thinking={"type": "disabled"}),
-                 chat(m, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}},
-                      thinking={"type": "disabled"}),
                  InputLine(1, "a", "/v1/messages", {"model": m, "max_tokens": 4, "top_k": 5,
                                                     "messages": [{"role": "user", "content": "hi"}]})):
         assert recipe.prepare(line).code == "unsupported_parameter", line.body
@@ -159,3 +156,23 @@ def test_a_job_that_cannot_enforce_formats_refuses_them_by_reason():
     err = recipe.prepare(chat("DeepSeek-V4.1-Flash", response_format={"type": "regex", "regex": "a"}))
     assert err.code == "unsupported_parameter" and "not with drafting" in err.message
     assert isinstance(recipe.prepare(chat("DeepSeek-V4.1-Flash")), Prepared)
+
+
+def test_a_thinking_budget_applies_where_the_response_starts_in_a_thinking_part():
+    m = "DeepSeek-V4.1-Flash"
+    recipe = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1", thinking_budget=5)
+    assert recipe.prepare(chat(m, max_tokens=50)).thinking_budget == 5  # thinking is the default
+    assert recipe.prepare(chat(m, max_tokens=50, thinking={"type": "disabled"})).thinking_budget is None
+    assert recipe.prepare(chat(m, max_tokens=5)).thinking_budget is None  # no tighter than max_tokens
+
+    def messages(**thinking):
+        return InputLine(1, "a", "/v1/messages", {"model": m, "max_tokens": 50, "thinking": {"type": "enabled",
+                         **thinking}, "messages": [{"role": "user", "content": "hi"}]})
+
+    assert recipe.prepare(messages(budget_tokens=3)).thinking_budget == 3  # the request's own
+    assert Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1").prepare(messages()).thinking_budget is None
+    bad = recipe.prepare(messages(budget_tokens=-2))
+    assert bad.code == "invalid_request" and "-2" in bad.message
+    refused = Recipe(V41_TOKENIZER, 512, (1,), prompt_format="v4.1", no_formats="not with dspark").prepare(
+        messages(budget_tokens=3))
+    assert refused.code == "unsupported_parameter" and "thinking budget" in refused.message

@@ -74,6 +74,19 @@ def test_the_thinking_part_is_free_but_for_the_stop_tokens(grammars):
     assert allowed(m) == [EOS]
 
 
+def test_an_optional_grammar_may_end_before_its_trigger_and_holds_what_follows_it(grammars):
+    m = grammars.matcher(Constraint("regex", "[ab]{3}", after=THINK_END, optional=True))
+    assert EOS in allowed(m) and THINK_END in allowed(m)  # nothing yet: complete as it is
+    follow(grammars, m, "plain text")
+    assert EOS in allowed(m) and m.accepting
+    m.consume(THINK_END)
+    assert EOS not in allowed(m) and not m.accepting
+    follow(grammars, m, "abb")
+    assert allowed(m) == [EOS]
+    with pytest.raises(ValueError, match="optional constraint needs the token"):
+        Constraint("regex", "a", optional=True)
+
+
 @pytest.mark.parametrize("kind, text, says", [
     ("json_schema", '{"type": "objectx"}', "objectx"),
     ("json_schema", '{"type": "object"', "not valid JSON"),
