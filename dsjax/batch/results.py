@@ -58,6 +58,21 @@ def error_record(line: InputLine, error: ErrorInfo) -> dict[str, Any]:
     return rec
 
 
+# What differs between two runs of the same job by design: ids, timestamps, signatures.
+VOLATILE = frozenset({"id", "created", "created_at", "completed_at", "request_id", "signature", "system_fingerprint",
+                      "encrypted_content"})
+
+
+def comparable(record: Any) -> Any:
+    """A record's content without its ids and timestamps (`VOLATILE`): equal for two runs of a job that give the
+    same outputs (with `--batch-invariant`, any two runs of the same input; docs/generate.md)."""
+    if isinstance(record, dict):
+        return {k: comparable(v) for k, v in record.items() if k not in VOLATILE}
+    if isinstance(record, list):
+        return [comparable(v) for v in record]
+    return record
+
+
 def encode_record(record: dict[str, Any]) -> bytes:
     """One output line. Text that is not valid Unicode (a lone surrogate from a `\\ud800` escape in the
     input) is written as JSON escapes, so the line stays valid UTF-8 and reads back as it was."""

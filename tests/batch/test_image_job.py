@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 
 from dsjax.batch.job import JobConfig, run_job
+from dsjax.batch.results import comparable
 from dsjax.cli import main
-from tests.batch.test_job import JOB, canonical, records, write_jsonl
+from tests.batch.test_job import JOB, records, write_jsonl
 from tests.helpers import recipe_prompt_tokens
 
 M = "DeepSeek-V4.1-Flash"
@@ -134,7 +135,7 @@ def test_text_requests_are_unchanged_by_the_encoder(tmp_path, tiny_blind_model_d
         # The blind model's config (no encoder) says V4's prompt format; both are asked for V4.1's.
         run_job(JobConfig(model=model, input=inp, output=str(tmp_path / f"{name}.jsonl"), prompt_format="v4.1",
                           **JOB))
-        outs.append(sorted((canonical(r) for r in records(tmp_path / f"{name}.jsonl")), key=lambda r: r["custom_id"]))
+        outs.append(sorted((comparable(r) for r in records(tmp_path / f"{name}.jsonl")), key=lambda r: r["custom_id"]))
     assert outs[0] == outs[1]
 
 
@@ -197,7 +198,7 @@ def test_image_requests_on_a_mesh_give_the_same_records(tmp_path, tiny_vision_mo
         assert main(["generate", "--model", tiny_vision_model_dir, "--input", inp, "--output", out,
                      "--slots", "4", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32",
                      "--quiet", *mesh]) == 0
-        outs.append(sorted((canonical(r) for r in records(out)), key=lambda r: r["custom_id"]))
+        outs.append(sorted((comparable(r) for r in records(out)), key=lambda r: r["custom_id"]))
     assert all(r["response"]["status_code"] == 200 for r in outs[0])
     assert outs[0] == outs[1]
 

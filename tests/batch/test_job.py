@@ -12,6 +12,7 @@ import pytest
 
 from dsjax.batch.job import JobConfig, run_job, summary_path
 from dsjax.batch.jobfile import JobError
+from dsjax.batch.results import comparable
 from dsjax.cli import main
 from dsjax.run_config import RunConfig
 
@@ -71,21 +72,8 @@ def records(path):
         return [json.loads(x) for x in f]
 
 
-_VOLATILE = {"id", "created", "created_at", "completed_at", "request_id", "signature", "system_fingerprint",
-             "encrypted_content"}
-
-
-def canonical(obj):
-    """A record's content without ids and timestamps (they differ between runs by design)."""
-    if isinstance(obj, dict):
-        return {k: canonical(v) for k, v in obj.items() if k not in _VOLATILE}
-    if isinstance(obj, list):
-        return [canonical(v) for v in obj]
-    return obj
-
-
 def by_id(recs):
-    return {r["custom_id"] or f"line{r['line']}": canonical(r) for r in recs}
+    return {r["custom_id"] or f"line{r['line']}": comparable(r) for r in recs}
 
 
 def job(tmp_path, model, items, name="out", **kw):
@@ -183,9 +171,9 @@ def test_unusable_paths_fail_before_any_work(tmp_path, tiny_model_dir, capsys):
     assert "has no tokenizer.json" in capsys.readouterr().err
 
 
-def _cli(model, inp, out):
+def _cli(model, inp, out, *flags):
     return [sys.executable, "-m", "dsjax.cli", "generate", "--model", model, "--input", inp, "--output", out,
-            "--slots", "2", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32", "--quiet"]
+            "--slots", "2", "--max-len", "512", "--chunk-size", "64", "--dtype", "float32", "--quiet", *flags]
 
 
 # Runs the job as a terminal would: Ctrl-C unblocked and not ignored, whatever the test process
@@ -219,17 +207,19 @@ def _run_until(cmd, env, out, n_records, sig):
 def test_interrupt_and_sigkill_then_rerun_give_one_identical_record_per_line(tmp_path, tiny_model_dir):
     # Enough work after the first records that the signals land mid-job even on a fast machine.
     # Deterministic sampling: temperature 0.7 and top_p 0.9 (with thinking off, where the recipe keeps them),
-    # seeded and unseeded (drawn from the job's seed and the custom_id), whatever batches the reruns make.
+    # seeded and unseeded (drawn from the job's seed and the custom_id), whatever batches the reruns make: with
+    # --batch-invariant (the default mode's prefills of several requests differ in the last bits with the batch).
     items = [chat(f"r{i}", [{"role": "user", "content": f"Tell me {i}"}], max_tokens=12 + i % 4, temperature=0.7,
                   top_p=0.9, **({"seed": i} if i % 2 else {}), **({"thinking": {"type": "disabled"}} if i % 3 else {}))
              for i in range(40)]
     inp = write_jsonl(tmp_path / "in.jsonl", items)
-    reference, _ = job(tmp_path, tiny_model_dir, items, name="uninterrupted", run=RUN.replace(slots=2))
+    reference, _ = job(tmp_path, tiny_model_dir, items, name="uninterrupted", run=RUN.replace(slots=2,
+                                                                                           batch_invariant=True))
     out = str(tmp_path / "crash.jsonl")
     # The three runs compile the same steps: a compilation cache spares the second and third that work.
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    cmd = _cli(tiny_model_dir, inp, out)
+    cmd = _cli(tiny_model_dir, inp, out, "--batch-invariant")
 
     assert _run_until(cmd, env, out, 3, signal.SIGINT) == 130  # Ctrl-C: stops cleanly
     first = records(out)  # every line whole
@@ -336,7 +326,7 @@ def test_the_served_names_default_to_the_checkpoints_and_are_set_by_flag(tmp_pat
     got = {r["custom_id"]: r for r in records(tmp_path / "b.jsonl")}
     assert got["mine"]["error"] is None and got["mine"]["response"]["body"]["model"] == "my-model"
     # The prompt format is the checkpoint's whatever the name: the same text under the new name.
-    assert canonical(got["mine"]["response"]["body"]["choices"]) == canonical(
+    assert comparable(got["mine"]["response"]["body"]["choices"]) == comparable(
         records(tmp_path / "a.jsonl")[[r["custom_id"] for r in records(tmp_path / "a.jsonl")].index("recipe-name")]
         ["response"]["body"]["choices"])
     assert all(got[c]["error"]["code"] == "model_not_found" for c in ("recipe-name", "folder-name", "other"))
@@ -609,7 +599,7 @@ def test_a_v41_checkpoint_runs_the_job_in_its_own_format_with_the_packed_cache(t
         want = len(dr.DeepseekV41Encoding().with_tokenizer(tok).encode(conv.conversation))
         assert bodies[line["custom_id"]]["usage"]["prompt_tokens"] == want
     assert bodies["d"]["usage"]["completion_tokens"] == 6
-    assert canonical(bodies["a"]["choices"]) == canonical(bodies["b"]["choices"]) == canonical(bodies["c"]["choices"])
+    assert comparable(bodies["a"]["choices"]) == comparable(bodies["b"]["choices"]) == comparable(bodies["c"]["choices"])
     before = open(out).read()
     capsys.readouterr()
     assert main(argv) == 0
@@ -693,3 +683,27 @@ def test_speculative_decoding_runs_the_job_and_reports_the_acceptance(tmp_path, 
         run_job(JobConfig(model=plain, input=inp, output=str(tmp_path / "x.jsonl"),
                           run=RunConfig(speculative="dspark")))
     assert not os.path.exists(tmp_path / "x.jsonl")
+
+
+def test_a_thinking_budget_ends_each_thinking_part_in_time(tmp_path, tiny_model_dir):
+    """`thinking_budget` 6 (a Messages request's own budget_tokens 3): each thinking part ends by then, the answer
+    gets the rest of max_tokens, and a request without thinking is left alone."""
+    items = [chat(f"t{i}", [{"role": "user", "content": f"Think {i}"}], max_tokens=24, temperature=1.0, seed=i)
+             for i in range(3)]
+    items.append(chat("plain", [{"role": "user", "content": "Hi"}], max_tokens=24, temperature=1.0, seed=9,
+                      thinking={"type": "disabled"}))
+    items.append({"custom_id": "msg", "method": "POST", "url": "/v1/messages", "body": {
+        "model": M, "max_tokens": 24, "temperature": 1.0, "thinking": {"type": "enabled", "budget_tokens": 3},
+        "messages": [{"role": "user", "content": "Think"}]}})
+    recs, s = job(tmp_path, tiny_model_dir, items, thinking_budget=6)
+    assert s["requests_ok"] == 5 and s["programs_compiled_during_generation"] == 0
+    got = by_id(recs)
+    for i in range(3):
+        usage = got[f"t{i}"]["response"]["body"]["usage"]
+        assert 1 <= usage["completion_tokens_details"]["reasoning_tokens"] <= 7, usage  # 6 and the </think>
+        assert usage["completion_tokens"] > usage["completion_tokens_details"]["reasoning_tokens"]
+    msg = got["msg"]["response"]["body"]
+    thought = [b for b in msg["content"] if b["type"] == "thinking"]
+    assert thought and msg["usage"]["output_tokens"] >= 4
+    with pytest.raises(JobError, match="thinking_budget"):
+        job(tmp_path, tiny_model_dir, items, name="bad", thinking_budget=-1)

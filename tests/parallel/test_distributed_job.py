@@ -11,12 +11,12 @@ import threading
 import pytest
 
 from dsjax.batch.job import summary_path
-from dsjax.batch.results import record_key
+from dsjax.batch.results import comparable, record_key
 from dsjax.checkpoint.convert import convert
 from dsjax.cli import main
 from dsjax.parallel.distributed import DistributedSpec, multi_process_env, spec_from
 from dsjax.training.tokenizer import write_tokenizer
-from tests.batch.test_job import canonical, records, write_jsonl
+from tests.batch.test_job import records, write_jsonl
 from tests.parallel.processes import free_port, process_env, run_processes, tails
 
 M = "DeepSeek-V4-Pro"  # the tiny release checkpoint is a V4: its prompts are V4's
@@ -49,7 +49,7 @@ _DIST_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 def by_key(recs):
     """Records by the input line they answer, without their ids and timestamps."""
-    return {record_key(r): canonical(r) for r in recs}
+    return {record_key(r): comparable(r) for r in recs}
 
 
 @pytest.fixture(scope="module")
