@@ -137,11 +137,6 @@ def _raw(schema: dict) -> str | None:
     extra = set(schema) - _PLAIN
     if not extra:
         return r"(.|\n)*"
-    if extra <= {"minLength", "maxLength"}:
-        low, high = schema.get("minLength", 0), schema.get("maxLength")
-        if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (low, high or 0)):
-            return r"(.|\n){%d,%s}" % (low, "" if high is None else high)
-        return None
     pattern = schema.get("pattern")
     if extra != {"pattern"} or not isinstance(pattern, str):
         return None
