@@ -48,15 +48,12 @@ def tool_call_grammar(tools_json: str, dsml: int, opened: bool, prompt_format: s
              r"RAW: /(.|\n)*<\//",  # raw text and the `</` before the closing special token (text never holds one)
              r'NAME: /[^"\n]+/']
     for i, fn in enumerate(tools):
-        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
         head = f'"<" {d} {_lit(invoke + " name=" + json.dumps(fn["name"], ensure_ascii=False) + ">" + chr(10))}'
         tail = ('"\\n"? ' if blank else "") + f'"</" {d} {_lit(invoke + ">" + chr(10))}'
         if fn.get("strict") is not True:
             rules.append(f"invoke_{i}: {head} free_param* {tail}")
             continue
-        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-        required = set(params.get("required") or ())
-        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        props, required, defs = _parameters(fn)
         parts = []
         for j, (name, schema) in enumerate(props.items()):
             open_param = f'"<" {d} {_lit(param + " name=" + json.dumps(name, ensure_ascii=False) + " string=")}'
@@ -73,13 +70,18 @@ def parameter_grammars(tools_json: str) -> list[tuple[str, str, str]]:
     they name the parameter whose schema a tool list's grammar failed on."""
     found = []
     for fn in _read(tools_json):
-        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        props, _, defs = _parameters(fn)
         if fn.get("strict") is True:
             found += [(fn["name"], name, "start: " + _value(schema, defs) + "\n" + r"RAW: /(.|\n)*<\//" + "\n")
                       for name, schema in props.items()]
     return found
+
+
+def _parameters(fn: dict) -> tuple[dict, set, dict]:
+    """A function's parameter schemas by name (in order), the required names, and the definitions they share."""
+    params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    return props, set(params.get("required") or ()), {k: params[k] for k in ("$defs", "definitions") if k in params}
 
 
 def _read(tools_json: str) -> list[dict]:
@@ -102,12 +104,9 @@ def _read(tools_json: str) -> list[dict]:
 def strict_tools(tools_json: str) -> bool:
     """Whether the recipe's tool list holds a strict tool (the recipe refuses a mix of strict and not)."""
     try:
-        tools = json.loads(tools_json)
-    except json.JSONDecodeError:
+        return any(fn.get("strict") is True for fn in _read(tools_json))
+    except ValueError:
         return False
-    return isinstance(tools, list) and any(
-        isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
-        for t in tools)
 
 
 def _value(schema: Any, defs: dict) -> str:
