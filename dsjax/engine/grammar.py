@@ -166,6 +166,11 @@ class Matcher:
         """Whether the output so far is a complete match."""
         return self._m.is_accepting()
 
+    @property
+    def needs_mask(self) -> bool:
+        """Whether the step after the one in flight may need this request's mask (a grammar's: always)."""
+        return True
+
 
 def mask_words(vocab: int) -> int:
     """int32 words of one mask row."""

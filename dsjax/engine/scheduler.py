@@ -155,7 +155,7 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
             continue
         active = np.zeros(n, bool)
         active[[s for s, _ in rows]] = True
-        if any(r.matcher is not None for _, r in rows):
+        if any(r.matcher is not None and r.matcher.needs_mask for _, r in rows):
             if drafts is not None:
                 raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
             sampling = slots.sampling()
@@ -317,7 +317,8 @@ def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]
             raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
         cache, sampled = drafts.prefill(cache, slots, new, prompts, spliced, pad)
     else:
-        masks = _masks(engine, slots, new) if any(r.matcher is not None for _, r in new) else None
+        masks = _masks(engine, slots, new) if any(r.matcher is not None and r.matcher.needs_mask for _, r in new) \
+            else None
         cache, sampled = engine.prefill(cache, prompts, [s for s, _ in new], slots.sampling(), pad_slots=pad,
                                         spliced=spliced, masks=masks)
     host = jax.device_get(sampled)

@@ -30,6 +30,13 @@ class ThinkingBudget:
     def accepting(self) -> bool:
         return self.inner.accepting if self.inner is not None else True
 
+    @property
+    def needs_mask(self) -> bool:
+        """Whether the step after the one in flight may need a mask: the inner grammar's, or the forced end (its
+        token unread, the step in flight may spend the last of the budget). Otherwise the request decodes on the
+        unmasked path."""
+        return self.inner is not None or (self.thinking and self.left <= 1)
+
     def consume(self, token: int) -> None:
         """Advance past `token`."""
         if self.thinking:

@@ -20,10 +20,12 @@ def test_the_end_of_thinking_is_forced_once_the_budget_is_spent_and_then_everyth
     m = ThinkingBudget(THINK_END, 3)
     for t in (5, 6, 7):
         assert len(allowed(m)) == VOCAB
+        assert m.needs_mask == (m.left <= 1)  # the unmasked path until a step may have to be forced
         m.consume(t)
     assert allowed(m) == [THINK_END] and m.thinking
     m.consume(THINK_END)
     assert not m.thinking and m.forced and len(allowed(m)) == VOCAB and m.accepting and m.error is None
+    assert not m.needs_mask
     early = ThinkingBudget(THINK_END, 3)
     early.consume(5)
     early.consume(THINK_END)  # ended by the model: never forced, never counted again
