@@ -1,14 +1,16 @@
 """Batch invariance and deterministic sampling, measured on any checkpoint (the GPU's records in docs/benchmarks.md).
 
-    python scripts/reproducibility.py invariance --model DIR [--slots 32] [--dtype bfloat16]
+    python scripts/reproducibility.py invariance --model DIR [--slots 32] [--dtype bfloat16] [--modes M]
     python scripts/reproducibility.py determinism --model DIR --work DIR [--count 64] [--slots 16] [--max-len 512]
+        [--modes M]
 
 `invariance`: one request alone, then inside batches of 2, 7 and 32 at their first, middle and last places,
 greedy and at temperature 0.7 / top_p 0.9 (seeded), in the default mode and with `--batch-invariant`: are its
 tokens the same and its logprobs (and top alternatives) bitwise equal? `determinism`: `dsjax generate` on the
 same input three times per mode (temperature 0.7, top_p 0.9, half the requests seeded), the third run killed
 with SIGKILL after a quarter of its records and resumed: are the output files identical apart from ids and
-timestamps? Each prints a table; exit status 1 where the batch-invariant mode is not invariant or deterministic.
+timestamps? `--modes` picks the modes (`default`, `batch-invariant`; both unless given). Each prints a table;
+exit status 1 where the batch-invariant mode is not invariant or deterministic.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import time
 
 from dsjax.batch.results import comparable
 
-def invariance(model_dir: str, slots: int, dtype: str, max_tokens: int = 16) -> bool:
+MODES = ("default", "batch-invariant")
+
+
+def invariance(model_dir: str, slots: int, dtype: str, max_tokens: int = 16, modes: tuple[str, ...] = MODES) -> bool:
     """The table of the module docstring's `invariance`; True where the batch-invariant mode held everywhere."""
     import jax.numpy as jnp
     import numpy as np
@@ -43,7 +48,7 @@ def invariance(model_dir: str, slots: int, dtype: str, max_tokens: int = 16) -> 
     print("| mode | sampling | batch | place | same tokens | bitwise logprobs | max abs logprob diff |")
     print("|---|---|---|---:|---|---|---:|")
     held = True
-    for mode in (False, True):
+    for mode in (m == "batch-invariant" for m in modes):
         engine = Engine(model, RunConfig(slots=slots, max_len=512, chunk_size=256, dtype=dtype, batch_invariant=mode))
         for name, sp in params.items():
             alone = generate(model, [prompts[0]], sp, engine=engine)[0]
@@ -86,7 +91,8 @@ def _records(path: str) -> dict:
         return {r["custom_id"]: comparable(r) for r in map(json.loads, f)}
 
 
-def determinism(model_dir: str, work: str, count: int, slots: int, max_tokens: int, max_len: int = 512) -> bool:
+def determinism(model_dir: str, work: str, count: int, slots: int, max_tokens: int, max_len: int = 512,
+                modes: tuple[str, ...] = MODES) -> bool:
     """The table of the module docstring's `determinism`; True where the batch-invariant mode held."""
     os.makedirs(work, exist_ok=True)
     inp = os.path.join(work, "in.jsonl")
@@ -94,7 +100,7 @@ def determinism(model_dir: str, work: str, count: int, slots: int, max_tokens: i
     print("| mode | run 2 = run 1 | killed after | resumed = run 1 | generation s (run 1) |")
     print("|---|---|---:|---|---:|")
     held = True
-    for flags in ([], ["--batch-invariant"]):
+    for flags in ([] if m == "default" else ["--batch-invariant"] for m in modes):
         mode = "batch-invariant" if flags else "default"
         outs = [os.path.join(work, f"{mode}-{k}.jsonl") for k in range(3)]
         for p in outs:
@@ -127,6 +133,14 @@ def determinism(model_dir: str, work: str, count: int, slots: int, max_tokens: i
     return held
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    wrong = [m for m in modes if m not in MODES]
+    if wrong or not modes:
+        raise argparse.ArgumentTypeError(f"modes must be some of {', '.join(MODES)}; got {text!r}")
+    return modes
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -142,11 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     det.add_argument("--slots", type=int, default=16)
     det.add_argument("--max-tokens", type=int, default=64)
     det.add_argument("--max-len", type=int, default=512)
+    for p in (inv, det):
+        p.add_argument("--modes", default=",".join(MODES), type=_modes,
+                       help="comma-separated modes to measure, of " + ", ".join(MODES) + " (default: both)")
     a = ap.parse_args(argv)
     if a.what == "invariance":
-        ok = invariance(a.model, a.slots, a.dtype, a.max_tokens)
+        ok = invariance(a.model, a.slots, a.dtype, a.max_tokens, a.modes)
     else:
-        ok = determinism(a.model, a.work, a.count, a.slots, a.max_tokens, a.max_len)
+        ok = determinism(a.model, a.work, a.count, a.slots, a.max_tokens, a.max_len, a.modes)
     return 0 if ok else 1
 
 
