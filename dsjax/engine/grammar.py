@@ -152,12 +152,22 @@ class Matcher:
     def fill(self, mask_bw: np.ndarray, row: int) -> None:
         """Row `row` of `mask_bw` (int32, `[B, mask_words(vocab)]`): the tokens allowed next. After a failure only
         the stop tokens are, so the response ends (its `error` says why)."""
+        fill_masks(mask_bw, [(row, self)])
+
+    def mask_source(self, mask_bw: np.ndarray, row: int) -> "Matcher | None":
+        """The grammar matcher whose mask row `row` takes (`fill_masks` computes it), or None where this row is
+        already filled (after a failure: the stop tokens only)."""
         if self.error is None:
-            llnp.fill_next_token_bitmask(self._m, mask_bw, row)
-            if self._m.is_error():
-                self.error = self._m.get_error()
-            elif not mask_bw[row].any():
-                self.error = "the grammar allows no token here"
+            return self
+        only(mask_bw, row, self._stop_ids)
+        return None
+
+    def _check(self, mask_bw: np.ndarray, row: int) -> None:
+        """After llguidance filled row `row`: a failure it met, or a mask allowing nothing, ends the response."""
+        if self._m.is_error():
+            self.error = self._m.get_error()
+        elif not mask_bw[row].any():
+            self.error = "the grammar allows no token here"
         if self.error is not None:
             only(mask_bw, row, self._stop_ids)
 
@@ -170,6 +180,37 @@ class Matcher:
     def needs_mask(self) -> bool:
         """Whether the step after the one in flight may need this request's mask (a grammar's: always)."""
         return True
+
+
+class MaskFiller:
+    """A batch's token masks, `[rows, mask_words(vocab)]`: every token allowed, but in the rows of the matchers
+    given. Their grammars' rows are computed together on llguidance's threads (started at the first batch)."""
+
+    def __init__(self, rows: int, vocab: int):
+        self.rows, self.vocab = rows, vocab
+        self._executor: llguidance.LLExecutor | None = None
+
+    def __call__(self, matchers: Sequence[tuple[int, "Matcher"]]) -> np.ndarray:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        mask_bw = full_masks(self.rows, self.vocab)
+        fill_masks(mask_bw, matchers, self._executor)
+        return mask_bw
+
+
+def fill_masks(mask_bw: np.ndarray, rows: Sequence[tuple[int, "Matcher"]], executor: llguidance.LLExecutor | None = None
+               ) -> None:
+    """Fill each `(row, matcher)` row of `mask_bw` with the tokens its matcher allows next (a `Matcher`, or
+    anything with its `mask_source`, such as a thinking budget). With an `executor`, llguidance computes the
+    grammars' rows together on its own threads, without holding Python's lock."""
+    pending = [(m, row) for row, obj in rows if (m := obj.mask_source(mask_bw, row)) is not None]
+    if executor is not None and len(pending) > 1:
+        llnp.fill_next_token_bitmask_par(executor, [(m._m, row) for m, row in pending], mask_bw)
+    else:
+        for m, row in pending:
+            llnp.fill_next_token_bitmask(m._m, mask_bw, row)
+    for m, row in pending:
+        m._check(mask_bw, row)
 
 
 def mask_words(vocab: int) -> int:

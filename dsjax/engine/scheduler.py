@@ -17,7 +17,7 @@ from dsjax.engine import speculative
 from dsjax.engine.acceptance import Acceptance
 from dsjax.engine.compiles import CompileClock
 from dsjax.engine.engine import Engine, Spliced
-from dsjax.engine.grammar import Matcher, full_masks
+from dsjax.engine.grammar import MaskFiller, Matcher
 from dsjax.engine.thinking_budget import ThinkingBudget
 from dsjax.engine.sampling import Sampled, SamplingArrays, SamplingParams
 
@@ -98,9 +98,9 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     they were read). `acceptance`, if given, counts what the verification kept.
 
     A step with a constrained request in it (`Request.matcher`) runs the model, then reads the step before it,
-    advances the matchers and computes the token masks while the model runs, then samples with the masks: the
-    device waits for the host only where the masks take longer than the model. Constrained requests do not
-    combine with drafting.
+    advances the matchers and computes the token masks while the model runs, then samples with the masks, and
+    only then yields the tokens it read: the device waits for the host only where reading and the masks take
+    longer than the model. Constrained requests do not combine with drafting.
     """
     cancelled = set() if cancelled is None else cancelled
     timer = timer or StepTimer()
@@ -111,6 +111,7 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     pending = iter(requests)
     exhausted = False
     inflight = None  # the step dispatched last, not read yet: (its result, [(slot, request), ...])
+    masks = MaskFiller(n, engine.cfg.vocab_size)
     while True:
         free = [s for s in range(n) if slots.request[s] is None]
         if free and not exhausted:
@@ -133,10 +134,10 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
                     if engine.run.batch_invariant:  # each request alone: its rows never share a prefill
                         events = []
                         for one in new:
-                            cache, ev_one = _prefill(engine, cache, slots, [one], drafts)
+                            cache, ev_one = _prefill(engine, cache, slots, [one], drafts, masks)
                             events += ev_one
                     else:
-                        cache, events = _prefill(engine, cache, slots, new, drafts)
+                        cache, events = _prefill(engine, cache, slots, new, drafts, masks)
                 for ev in events:
                     yield ev
                     _drop_if_cancelled(slots, ev, cancelled)
@@ -162,12 +163,11 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
             last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
             with timer:
                 cache, logits, positions = engine.decode_logits(cache, last, active)
-            if inflight is not None:
-                yield from _read(slots, inflight, cancelled, timer, drafts)
-            masks = _masks(engine, slots, rows)
+            events = _take(slots, inflight, timer) if inflight is not None else []
             with timer:
-                step = engine.sample(logits, sampling, positions, masks)
+                step = engine.sample(logits, sampling, positions, _masks(masks, slots, rows))
             inflight = (step, rows)
+            yield from _hand_out(slots, events, cancelled)
             continue
         with timer:
             if drafts is not None:
@@ -180,13 +180,9 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
         inflight = (step, rows)
 
 
-def _masks(engine: Engine, slots: "_Slots", rows) -> np.ndarray:
+def _masks(masks: MaskFiller, slots: "_Slots", rows) -> np.ndarray:
     """Each row's token mask: its matcher's where its request is still in its slot, all tokens elsewhere."""
-    masks = full_masks(engine.num_slots, engine.cfg.vocab_size)
-    for s, r in rows:
-        if r.matcher is not None and slots.request[s] is r:
-            r.matcher.fill(masks, s)
-    return masks
+    return masks([(s, r.matcher) for s, r in rows if r.matcher is not None and slots.request[s] is r])
 
 
 def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer",
@@ -208,11 +204,26 @@ def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer",
                 yield ev
                 _drop_if_cancelled(slots, ev, cancelled)
         return
-    for s, r in rows:
-        if slots.request[s] is r:  # else it ended (stop token, cancellation) after this step was sent
-            ev = _emit(slots, s, host, s)
-            yield ev
-            _drop_if_cancelled(slots, ev, cancelled)
+    yield from _hand_out(slots, _emitted(slots, rows, host), cancelled)
+
+
+def _take(slots: "_Slots", inflight, timer: "StepTimer") -> list[TokenEvent]:
+    """A dispatched decode step's tokens read and counted (matchers advanced) before any is handed out."""
+    step, rows = inflight
+    with timer:
+        host = jax.device_get(step)
+    return _emitted(slots, rows, host)
+
+
+def _emitted(slots: "_Slots", rows, host: Sampled) -> list[TokenEvent]:
+    # A row whose request ended (stop token, cancellation) after its step was sent has no event.
+    return [_emit(slots, s, host, s) for s, r in rows if slots.request[s] is r]
+
+
+def _hand_out(slots: "_Slots", events: Iterable[TokenEvent], cancelled: set[int]) -> Iterator[TokenEvent]:
+    for ev in events:
+        yield ev
+        _drop_if_cancelled(slots, ev, cancelled)
 
 
 class _Drafting:
@@ -303,7 +314,8 @@ def _drop_if_cancelled(slots: _Slots, ev: TokenEvent, cancelled: set[int]) -> No
                 slots.request[s] = None
 
 
-def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]], drafts: _Drafting | None):
+def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]], drafts: _Drafting | None,
+             masks: MaskFiller):
     taken = {s for s, _ in new}
     size = engine.prefill_size(len(new))
     pad = [s for s in range(engine.num_slots) if s not in taken][:size - len(new)]
@@ -317,10 +329,10 @@ def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]
             raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
         cache, sampled = drafts.prefill(cache, slots, new, prompts, spliced, pad)
     else:
-        masks = _masks(engine, slots, new) if any(r.matcher is not None and r.matcher.needs_mask for _, r in new) \
+        mask_bw = _masks(masks, slots, new) if any(r.matcher is not None and r.matcher.needs_mask for _, r in new) \
             else None
         cache, sampled = engine.prefill(cache, prompts, [s for s, _ in new], slots.sampling(), pad_slots=pad,
-                                        spliced=spliced, masks=masks)
+                                        spliced=spliced, masks=mask_bw)
     host = jax.device_get(sampled)
     events = [_emit(slots, s, host, s) for s, _ in new]
     if drafts is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsjax.engine.grammar import Matcher, only
+from dsjax.engine.grammar import Matcher, fill_masks, only
 
 
 class ThinkingBudget:
@@ -51,7 +51,12 @@ class ThinkingBudget:
     def fill(self, mask_bw: np.ndarray, row: int) -> None:
         """Row `row` of `mask_bw`: only `end` once the budget is spent, else the inner grammar's mask (or, without
         one, the row as it is: every token)."""
+        fill_masks(mask_bw, [(row, self)])
+
+    def mask_source(self, mask_bw: np.ndarray, row: int) -> Matcher | None:
+        """`Matcher.mask_source`: the inner grammar where it decides the row, else None (the row filled here, or
+        left free)."""
         if self.thinking and self.left <= 0:
             only(mask_bw, row, [self.end])
-        elif self.inner is not None:
-            self.inner.fill(mask_bw, row)
+            return None
+        return self.inner.mask_source(mask_bw, row) if self.inner is not None else None

@@ -59,23 +59,26 @@ def test_outputs_follow_their_grammars_and_other_rows_are_untouched(setup):
 
 
 def test_masks_are_computed_while_the_model_runs(setup, monkeypatch):
-    """Per step: the model dispatched, the step before read, the masks filled, then the sampler dispatched."""
+    """Per step: the model dispatched, the step before read, the masks filled, the sampler dispatched, and only
+    then the tokens read handed out (the consumer's work does not delay the sampler)."""
     from dsjax.engine import scheduler
 
     model, engine, grammars = setup
     log = []
-    decode, sample, get, fill = engine.decode_logits, engine.sample, jax.device_get, Matcher.fill
+    decode, sample, get, source, hand_out = (engine.decode_logits, engine.sample, jax.device_get, Matcher.mask_source,
+                                             scheduler._hand_out)
     monkeypatch.setattr(engine, "decode_logits", lambda *a: (log.append("model"), decode(*a))[1])
     monkeypatch.setattr(engine, "sample", lambda *a: (log.append("sample"), sample(*a))[1])
     monkeypatch.setattr(scheduler.jax, "device_get", lambda x: (log.append("read"), get(x))[1])
-    monkeypatch.setattr(Matcher, "fill", lambda self, *a: (log.append("mask"), fill(self, *a))[1])
+    monkeypatch.setattr(Matcher, "mask_source", lambda self, *a: (log.append("mask"), source(self, *a))[1])
+    monkeypatch.setattr(scheduler, "_hand_out", lambda *a: (log.append("hand out"), hand_out(*a))[1])
     res = dsjax.generate(model, [PROMPT], dsjax.SamplingParams(temperature=0.0, max_tokens=6), engine=engine,
                          matchers=[grammars.matcher(Constraint("regex", "[a-z ]{6}"))])[0]
     assert len(res.tokens) >= 2
     # the prefill: its mask, its sampler, its read; then step 1 (nothing to read before it), step 2, ...
     assert log[:3] == ["mask", "sample", "read"], log
-    assert log[3:6] == ["model", "mask", "sample"], log
-    assert log[6:10] == ["model", "read", "mask", "sample"], log
+    assert log[3:7] == ["model", "mask", "sample", "hand out"], log
+    assert log[7:12] == ["model", "read", "mask", "sample", "hand out"], log
 
 
 def test_a_grammar_refuses_no_request_a_slot_it_left(setup):

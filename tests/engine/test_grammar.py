@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import dsjax
-from dsjax.engine.grammar import Constraint, GrammarError, Grammars, full_masks, mask_words
+from dsjax.engine.grammar import Constraint, GrammarError, Grammars, MaskFiller, full_masks, mask_words
+from dsjax.engine.thinking_budget import ThinkingBudget
 
 TOKENIZER = os.path.join(os.path.dirname(dsjax.__file__), "embedded", "model", "tokenizer.json")
 VOCAB, EOS, THINK_END = 8200, 1, 8177  # more logits than the tokenizer's 8192 tokens, as models pad theirs
@@ -136,3 +137,29 @@ def test_a_failed_matcher_allows_only_the_stop_tokens(grammars):
 def test_full_masks_allow_every_token():
     masks = full_masks(3, 70)
     assert masks.shape == (3, 3) and (masks == -1).all()
+
+
+def test_a_batch_of_masks_on_llguidance_threads_is_each_matcher_s_own(grammars):
+    """`MaskFiller` (threads) gives every row what its matcher gives alone: grammars part-way through, one that
+    failed (stop tokens only), a thinking budget spent (its end only); rows without a matcher stay free."""
+    rng = np.random.default_rng(0)
+    texts = ['{"n": 12, "tag": "x"}', "{", '{"n": 3', "", '{"n": 7, "tag": "y"']
+    matchers = []
+    for text in texts * 4:
+        m = grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA)))
+        for t in grammars.tokenizer.tokenize_str(text):
+            m.consume(t)
+        matchers.append(m)
+    matchers[3].consume(grammars.tokenizer.tokenize_str("z")[0])  # refused: the matcher fails
+    matchers.append(ThinkingBudget(THINK_END, 0, grammars.matcher(Constraint("regex", "a+", after=THINK_END))))
+    rows = [int(r) for r in rng.permutation(30)[:len(matchers)]]
+    filled = MaskFiller(30, VOCAB)(list(zip(rows, matchers)))
+    assert filled.shape == (30, mask_words(VOCAB))
+    for row, m in zip(rows, matchers):
+        alone = np.zeros((1, mask_words(VOCAB)), np.int32)
+        m.fill(alone, 0)
+        assert (filled[row] == alone[0]).all(), row
+    assert matchers[3].error is not None and allowed(matchers[3]) == [EOS]
+    assert allowed(matchers[-1]) == [THINK_END]
+    assert (filled[[r for r in range(30) if r not in rows]] == -1).all()
+    assert len({filled[r].tobytes() for r in rows}) > 3  # the grammars' states differ
