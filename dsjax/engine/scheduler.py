@@ -189,34 +189,30 @@ def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer",
           drafts: "_Drafting | None") -> Iterator[TokenEvent]:
     """Read a dispatched step's tokens and yield the events of the requests it ran that are still in their
     slots: one per slot for a decode step, each slot's emitted tokens in turn for a verification step."""
+    if drafts is None:
+        yield from _hand_out(slots, _take(slots, inflight, timer), cancelled)
+        return
     step, rows = inflight
     with timer:
         host = jax.device_get(step)
-    if drafts is not None:
-        verdict = drafts.read(host)
-        for s, r in rows:
-            for j in range(int(verdict.count[s])):
-                if slots.request[s] is not r:  # it ended (stop token, cancellation): the rest is dropped
-                    break
-                if j == 0:
-                    drafts.count(verdict, s)
-                ev = _emit(slots, s, verdict.rows, (s, j))
-                yield ev
-                _drop_if_cancelled(slots, ev, cancelled)
-        return
-    yield from _hand_out(slots, _emitted(slots, rows, host), cancelled)
+    verdict = drafts.read(host)
+    for s, r in rows:
+        for j in range(int(verdict.count[s])):
+            if slots.request[s] is not r:  # it ended (stop token, cancellation): the rest is dropped
+                break
+            if j == 0:
+                drafts.count(verdict, s)
+            ev = _emit(slots, s, verdict.rows, (s, j))
+            yield ev
+            _drop_if_cancelled(slots, ev, cancelled)
 
 
 def _take(slots: "_Slots", inflight, timer: "StepTimer") -> list[TokenEvent]:
-    """A dispatched decode step's tokens read and counted (matchers advanced) before any is handed out."""
+    """A dispatched decode step's tokens read and counted (matchers advanced) before any is handed out. A row
+    whose request ended (stop token, cancellation) after its step was sent has no event."""
     step, rows = inflight
     with timer:
         host = jax.device_get(step)
-    return _emitted(slots, rows, host)
-
-
-def _emitted(slots: "_Slots", rows, host: Sampled) -> list[TokenEvent]:
-    # A row whose request ended (stop token, cancellation) after its step was sent has no event.
     return [_emit(slots, s, host, s) for s, r in rows if slots.request[s] is r]
 
 
