@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import json
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import llguidance
@@ -184,17 +185,54 @@ class Matcher:
 
 class MaskFiller:
     """A batch's token masks, `[rows, mask_words(vocab)]`: every token allowed, but in the rows of the matchers
-    given. Their grammars' rows are computed together on llguidance's threads (started at the first batch)."""
+    given. Their grammars' rows are computed together on llguidance's threads (started at the first batch),
+    and `start` computes them off the caller's thread, so the caller can go on while they are made."""
 
     def __init__(self, rows: int, vocab: int):
         self.rows, self.vocab = rows, vocab
         self._executor: llguidance.LLExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def __call__(self, matchers: Sequence[tuple[int, "Matcher"]]) -> np.ndarray:
+        mask_bw = full_masks(self.rows, self.vocab)
+        fill_masks(mask_bw, matchers, self._llg())
+        return mask_bw
+
+    def start(self, matchers: Sequence[tuple[int, "Matcher"]]) -> "PendingMasks":
+        """The masks of `matchers` (as `__call__` makes them), computed on a thread of this filler's while the
+        caller goes on; the matchers must not advance until `PendingMasks.result` returns."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsjax-masks")
+        rows = list(matchers)
+        return PendingMasks(self._pool.submit(self._fill, rows))
+
+    def close(self) -> None:
+        """Stop the thread `start` uses (a later `start` makes a new one)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def _fill(self, rows: list[tuple[int, "Matcher"]]) -> tuple[np.ndarray, list]:
+        mask_bw = full_masks(self.rows, self.vocab)
+        return mask_bw, _fill_rows(mask_bw, rows, self._llg())
+
+    def _llg(self) -> llguidance.LLExecutor:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        mask_bw = full_masks(self.rows, self.vocab)
-        fill_masks(mask_bw, matchers, self._executor)
+        return self._executor
+
+
+class PendingMasks:
+    """Masks being computed (`MaskFiller.start`)."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def result(self) -> np.ndarray:
+        """The masks, once made; failures llguidance met are recorded on their matchers here, on the caller's
+        thread (a consumer reading a matcher's `error` meanwhile sees it unchanged)."""
+        mask_bw, pending = self._future.result()
+        _check_rows(mask_bw, pending)
         return mask_bw
 
 
@@ -203,12 +241,22 @@ def fill_masks(mask_bw: np.ndarray, rows: Sequence[tuple[int, "Matcher"]], execu
     """Fill each `(row, matcher)` row of `mask_bw` with the tokens its matcher allows next (a `Matcher`, or
     anything with its `mask_source`, such as a thinking budget). With an `executor`, llguidance computes the
     grammars' rows together on its own threads, without holding Python's lock."""
+    _check_rows(mask_bw, _fill_rows(mask_bw, rows, executor))
+
+
+def _fill_rows(mask_bw: np.ndarray, rows: Sequence[tuple[int, "Matcher"]], executor: llguidance.LLExecutor | None
+               ) -> list[tuple["Matcher", int]]:
+    """`fill_masks` before its check: the (grammar matcher, row) pairs llguidance filled."""
     pending = [(m, row) for row, obj in rows if (m := obj.mask_source(mask_bw, row)) is not None]
     if executor is not None and len(pending) > 1:
         llnp.fill_next_token_bitmask_par(executor, [(m._m, row) for m, row in pending], mask_bw)
     else:
         for m, row in pending:
             llnp.fill_next_token_bitmask(m._m, mask_bw, row)
+    return pending
+
+
+def _check_rows(mask_bw: np.ndarray, pending: list[tuple["Matcher", int]]) -> None:
     for m, row in pending:
         m._check(mask_bw, row)
 

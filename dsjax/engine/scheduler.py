@@ -97,10 +97,10 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     from the confidences of the drafts read last (`Engine.width_for`: the step in flight was dispatched before
     they were read). `acceptance`, if given, counts what the verification kept.
 
-    A step with a constrained request in it (`Request.matcher`) runs the model, then reads the step before it,
-    advances the matchers and computes the token masks while the model runs, then samples with the masks, and
-    only then yields the tokens it read: the device waits for the host only where reading and the masks take
-    longer than the model. Constrained requests do not combine with drafting.
+    A step with a constrained request in it (`Request.matcher`) reads the step before it (advancing the
+    matchers), starts the token masks on another thread, dispatches the model, yields the tokens it read while
+    the masks are made, then samples with the masks: the masks cost the host no time where the model's
+    dispatch and the consumer's work take longer. Constrained requests do not combine with drafting.
     """
     cancelled = set() if cancelled is None else cancelled
     timer = timer or StepTimer()
@@ -112,77 +112,85 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     exhausted = False
     inflight = None  # the step dispatched last, not read yet: (its result, [(slot, request), ...])
     masks = MaskFiller(n, engine.cfg.vocab_size)
-    while True:
-        free = [s for s in range(n) if slots.request[s] is None]
-        if free and not exhausted:
-            new = []
-            for s in free:
-                r = next(pending, None)
-                if r is None:
-                    exhausted = True
-                    break
-                new.append((s, r))
-            if new:
-                if inflight is not None:  # the host's view must be current before slots change hands
+    try:
+        while True:
+            free = [s for s in range(n) if slots.request[s] is None]
+            if free and not exhausted:
+                new = []
+                for s in free:
+                    r = next(pending, None)
+                    if r is None:
+                        exhausted = True
+                        break
+                    new.append((s, r))
+                if new:
+                    if inflight is not None:  # the host's view must be current before slots change hands
+                        yield from _read(slots, inflight, cancelled, timer, drafts)
+                        inflight = None
+                    if cache is None:
+                        if drafts is not None:
+                            drafts.ready()
+                        cache = engine.new_cache()
+                    with timer:
+                        if engine.run.batch_invariant:  # each request alone: its rows never share a prefill
+                            events = []
+                            for one in new:
+                                cache, ev_one = _prefill(engine, cache, slots, [one], drafts, masks)
+                                events += ev_one
+                        else:
+                            cache, events = _prefill(engine, cache, slots, new, drafts, masks)
+                    for ev in events:
+                        yield ev
+                        _drop_if_cancelled(slots, ev, cancelled)
+                    continue  # a prefilled request may already be done, and more slots may be free
+            # The slots the next step runs: those whose request goes on after the step in flight, as far
+            # as counts tell (a stop token is seen only when the step is read).
+            ahead = {s for s, _ in inflight[1]} if inflight is not None else set()
+            rows = [(s, r) for s, r in enumerate(slots.request)
+                    if r is not None and not slots.ends_by_count(s, s in ahead)]
+            if not rows:
+                if inflight is not None:
                     yield from _read(slots, inflight, cancelled, timer, drafts)
                     inflight = None
-                if cache is None:
-                    if drafts is not None:
-                        drafts.ready()
-                    cache = engine.new_cache()
+                    continue
+                if exhausted:
+                    return
+                continue
+            active = np.zeros(n, bool)
+            active[[s for s, _ in rows]] = True
+            if any(r.matcher is not None and r.matcher.needs_mask for _, r in rows):
+                if drafts is not None:
+                    raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
+                sampling = slots.sampling()
+                last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
+                events = _take(slots, inflight, timer) if inflight is not None else []
+                pending_masks = masks.start(_mask_rows(slots, rows))
                 with timer:
-                    if engine.run.batch_invariant:  # each request alone: its rows never share a prefill
-                        events = []
-                        for one in new:
-                            cache, ev_one = _prefill(engine, cache, slots, [one], drafts, masks)
-                            events += ev_one
-                    else:
-                        cache, events = _prefill(engine, cache, slots, new, drafts, masks)
-                for ev in events:
-                    yield ev
-                    _drop_if_cancelled(slots, ev, cancelled)
-                continue  # a prefilled request may already be done, and more slots may be free
-        # The slots the next step runs: those whose request goes on after the step in flight, as far
-        # as counts tell (a stop token is seen only when the step is read).
-        ahead = {s for s, _ in inflight[1]} if inflight is not None else set()
-        rows = [(s, r) for s, r in enumerate(slots.request) if r is not None and not slots.ends_by_count(s, s in ahead)]
-        if not rows:
+                    cache, logits, positions = engine.decode_logits(cache, last, active)
+                inflight = None
+                yield from _hand_out(slots, events, cancelled)
+                mask_bw = pending_masks.result()
+                with timer:
+                    step = engine.sample(logits, sampling, positions, mask_bw)
+                inflight = (step, rows)
+                continue
+            with timer:
+                if drafts is not None:
+                    cache, step = drafts.step(cache, active, slots.sampling())
+                else:
+                    last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
+                    cache, step = engine.decode(cache, last, active, slots.sampling())
             if inflight is not None:
                 yield from _read(slots, inflight, cancelled, timer, drafts)
-                inflight = None
-                continue
-            if exhausted:
-                return
-            continue
-        active = np.zeros(n, bool)
-        active[[s for s, _ in rows]] = True
-        if any(r.matcher is not None and r.matcher.needs_mask for _, r in rows):
-            if drafts is not None:
-                raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
-            sampling = slots.sampling()
-            last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
-            with timer:
-                cache, logits, positions = engine.decode_logits(cache, last, active)
-            events = _take(slots, inflight, timer) if inflight is not None else []
-            with timer:
-                step = engine.sample(logits, sampling, positions, _masks(masks, slots, rows))
             inflight = (step, rows)
-            yield from _hand_out(slots, events, cancelled)
-            continue
-        with timer:
-            if drafts is not None:
-                cache, step = drafts.step(cache, active, slots.sampling())
-            else:
-                last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
-                cache, step = engine.decode(cache, last, active, slots.sampling())
-        if inflight is not None:
-            yield from _read(slots, inflight, cancelled, timer, drafts)
-        inflight = (step, rows)
+    finally:  # the masks' thread ends with the run (or when its consumer drops it)
+        masks.close()
 
 
-def _masks(masks: MaskFiller, slots: "_Slots", rows) -> np.ndarray:
-    """Each row's token mask: its matcher's where its request is still in its slot, all tokens elsewhere."""
-    return masks([(s, r.matcher) for s, r in rows if r.matcher is not None and slots.request[s] is r])
+def _mask_rows(slots: "_Slots", rows) -> list:
+    """The (slot, matcher) rows whose masks a step takes: those whose request is still in its slot (all tokens
+    are allowed elsewhere)."""
+    return [(s, r.matcher) for s, r in rows if r.matcher is not None and slots.request[s] is r]
 
 
 def _read(slots: "_Slots", inflight, cancelled: set[int], timer: "StepTimer",
@@ -325,7 +333,7 @@ def _prefill(engine: Engine, cache, slots: _Slots, new: list[tuple[int, Request]
             raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
         cache, sampled = drafts.prefill(cache, slots, new, prompts, spliced, pad)
     else:
-        mask_bw = _masks(masks, slots, new) if any(r.matcher is not None and r.matcher.needs_mask for _, r in new) \
+        mask_bw = masks(_mask_rows(slots, new)) if any(r.matcher is not None and r.matcher.needs_mask for _, r in new) \
             else None
         cache, sampled = engine.prefill(cache, prompts, [s for s, _ in new], slots.sampling(), pad_slots=pad,
                                         spliced=spliced, masks=mask_bw)

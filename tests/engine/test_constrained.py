@@ -2,6 +2,7 @@
 are untouched, masks are computed while the model runs, and nothing compiles mid-run."""
 
 import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,8 @@ import pytest
 import dsjax
 from dsjax.embedded import MODEL_DIR
 from dsjax.engine.compiles import CompileClock
-from dsjax.engine.grammar import Constraint, Grammars, Matcher
+from dsjax.engine import scheduler
+from dsjax.engine.grammar import Constraint, Grammars, MaskFiller, Matcher, PendingMasks
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -58,27 +60,34 @@ def test_outputs_follow_their_grammars_and_other_rows_are_untouched(setup):
     assert [res[2].tokens, res[4].tokens] == [a.tokens for a in alone]
 
 
-def test_masks_are_computed_while_the_model_runs(setup, monkeypatch):
-    """Per step: the model dispatched, the step before read, the masks filled, the sampler dispatched, and only
-    then the tokens read handed out (the consumer's work does not delay the sampler)."""
-    from dsjax.engine import scheduler
-
+def test_masks_are_computed_while_the_model_is_dispatched_and_the_tokens_handed_out(setup, monkeypatch):
+    """Per step: the step before read (the matchers advanced), the masks started, the model dispatched, the
+    tokens read handed out, then the masks awaited and the sampler dispatched; the masks' rows are filled on
+    another thread, not the consumer's."""
     model, engine, grammars = setup
-    log = []
-    decode, sample, get, source, hand_out = (engine.decode_logits, engine.sample, jax.device_get, Matcher.mask_source,
-                                             scheduler._hand_out)
+    log, threads = [], set()
+    decode, sample, get, source, hand_out, start, result = (
+        engine.decode_logits, engine.sample, jax.device_get, Matcher.mask_source, scheduler._hand_out,
+        MaskFiller.start, PendingMasks.result)
     monkeypatch.setattr(engine, "decode_logits", lambda *a: (log.append("model"), decode(*a))[1])
     monkeypatch.setattr(engine, "sample", lambda *a: (log.append("sample"), sample(*a))[1])
     monkeypatch.setattr(scheduler.jax, "device_get", lambda x: (log.append("read"), get(x))[1])
-    monkeypatch.setattr(Matcher, "mask_source", lambda self, *a: (log.append("mask"), source(self, *a))[1])
+    monkeypatch.setattr(Matcher, "mask_source",
+                        lambda self, *a: (threads.add(threading.current_thread().name), source(self, *a))[1])
+    monkeypatch.setattr(MaskFiller, "start", lambda self, *a: (log.append("masks"), start(self, *a))[1])
+    monkeypatch.setattr(PendingMasks, "result", lambda self: (log.append("masks ready"), result(self))[1])
     monkeypatch.setattr(scheduler, "_hand_out", lambda *a: (log.append("hand out"), hand_out(*a))[1])
     res = dsjax.generate(model, [PROMPT], dsjax.SamplingParams(temperature=0.0, max_tokens=6), engine=engine,
                          matchers=[grammars.matcher(Constraint("regex", "[a-z ]{6}"))])[0]
-    assert len(res.tokens) >= 2
-    # the prefill: its mask, its sampler, its read; then step 1 (nothing to read before it), step 2, ...
-    assert log[:3] == ["mask", "sample", "read"], log
-    assert log[3:7] == ["model", "mask", "sample", "hand out"], log
-    assert log[7:12] == ["model", "read", "mask", "sample", "hand out"], log
+    assert len(res.tokens) >= 3
+    # the prefill (its masks on the caller's thread, no "masks" start), its read; then step 1 (nothing to read
+    # before it), step 2, ...
+    assert log[:2] == ["sample", "read"], log
+    assert log[2:7] == ["masks", "model", "hand out", "masks ready", "sample"], log
+    assert log[7:13] == ["read", "masks", "model", "hand out", "masks ready", "sample"], log
+    assert threading.current_thread().name in threads  # the prefill's
+    assert any(t.startswith("dsjax-masks") for t in threads), threads
+    assert not [t for t in threading.enumerate() if t.name.startswith("dsjax-masks")]  # closed with the run
 
 
 def test_a_grammar_refuses_no_request_a_slot_it_left(setup):

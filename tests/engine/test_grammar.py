@@ -163,3 +163,31 @@ def test_a_batch_of_masks_on_llguidance_threads_is_each_matcher_s_own(grammars):
     assert allowed(matchers[-1]) == [THINK_END]
     assert (filled[[r for r in range(30) if r not in rows]] == -1).all()
     assert len({filled[r].tobytes() for r in rows}) > 3  # the grammars' states differ
+
+
+def test_masks_started_on_a_thread_equal_those_made_in_place_and_record_failures_on_the_caller_s(grammars):
+    """`MaskFiller.start` fills the rows `__call__` does; a failure llguidance meets is set on its matcher only
+    when the caller takes the result; `close` ends the thread, and a later `start` makes another."""
+    def fresh():
+        ms = [grammars.matcher(Constraint("json_schema", json.dumps(SCHEMA))) for _ in range(6)]
+        for m, text in zip(ms, ['{"n": 1', "{", "", '{"n": 2, "tag": "q"}', '{"n": 3, "tag', "{"]):
+            for t in grammars.tokenizer.tokenize_str(text):
+                m.consume(t)
+        return ms
+
+    filler = MaskFiller(8, VOCAB)
+    rows = [7, 0, 3, 5, 2, 6]
+    made = filler(list(zip(rows, fresh())))
+    ms = fresh()
+    ms[1]._m.consume_token(grammars.tokenizer.tokenize_str("z")[0])  # llguidance's own failure, not seen yet
+    pending = filler.start(list(zip(rows, ms)))
+    pending._future.result()  # the thread is done
+    assert ms[1].error is None  # and did not touch what a consumer may read
+    got = pending.result()
+    assert ms[1].error is not None and allowed(ms[1]) == [EOS]
+    keep = [i for i in range(len(rows)) if i != 1]
+    assert all((got[rows[i]] == made[rows[i]]).all() for i in keep)
+    assert (got[[1, 4]] == -1).all()
+    filler.close()
+    assert (filler.start(list(zip(rows, fresh()))).result() == made).all()
+    filler.close()
