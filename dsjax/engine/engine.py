@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -213,9 +213,16 @@ class Engine:
         if masks is None:
             return self._call(("sample", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
                               positions_s)
-        (masks,) = self._put(masks) if not isinstance(masks, jax.Array) else (masks,)
+        if not isinstance(masks, jax.Array):
+            masks = self.mask_placer()(masks)
         return self._call(("sample_masked", sampling.modes), steps.sample_rows, logits_sv, self._place(sampling),
                           positions_s, masks)
+
+    def mask_placer(self) -> Callable[[np.ndarray], jax.Array]:
+        """Puts a host array of token masks where `sample` takes them: placed as now (under this thread's mesh),
+        callable from any thread (the masks' own, `MaskFiller.start`)."""
+        placed = self._placed(jax.sharding.PartitionSpec())
+        return lambda masks: jax.device_put(masks, placed)
 
     def lower_decode(self, cache: Cache, last_tokens: jax.Array, active: jax.Array) -> jax.stages.Lowered:
         """The decode step (without the sampler) lowered for these arguments (to compile with other
@@ -463,7 +470,7 @@ class Engine:
                                            modes=m)
             todo.append((("sample", m), steps.sample_rows, (), (logits, sampling, positions)))
             if masked:
-                (masks,) = self._put(full_masks(n, self.cfg.vocab_size))
+                masks = self.mask_placer()(full_masks(n, self.cfg.vocab_size))
                 todo.append((("sample_masked", m), steps.sample_rows, (), (logits, sampling, positions, masks)))
         build = [(slot, key, _lower(jitted, static, args)) for slot, key, jitted, static, args in self._unstored(todo)]
         if build:

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import llguidance
 import llguidance.numpy as llnp
@@ -163,15 +163,6 @@ class Matcher:
         only(mask_bw, row, self._stop_ids)
         return None
 
-    def _check(self, mask_bw: np.ndarray, row: int) -> None:
-        """After llguidance filled row `row`: a failure it met, or a mask allowing nothing, ends the response."""
-        if self._m.is_error():
-            self.error = self._m.get_error()
-        elif not mask_bw[row].any():
-            self.error = "the grammar allows no token here"
-        if self.error is not None:
-            only(mask_bw, row, self._stop_ids)
-
     @property
     def accepting(self) -> bool:
         """Whether the output so far is a complete match."""
@@ -198,13 +189,15 @@ class MaskFiller:
         fill_masks(mask_bw, matchers, self._llg())
         return mask_bw
 
-    def start(self, matchers: Sequence[tuple[int, "Matcher"]]) -> "PendingMasks":
+    def start(self, matchers: Sequence[tuple[int, "Matcher"]], put: Callable[[np.ndarray], Any] | None = None
+              ) -> "PendingMasks":
         """The masks of `matchers` (as `__call__` makes them), computed on a thread of this filler's while the
-        caller goes on; the matchers must not advance until `PendingMasks.result` returns."""
+        caller goes on, then handed to `put` there (say, to copy them to the device): `PendingMasks.result` is
+        what `put` returns (the array itself without one). The matchers must not advance until then."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsjax-masks")
         rows = list(matchers)
-        return PendingMasks(self._pool.submit(self._fill, rows))
+        return PendingMasks(self._pool.submit(self._fill, rows, put))
 
     def close(self) -> None:
         """Stop the thread `start` uses (a later `start` makes a new one)."""
@@ -212,9 +205,10 @@ class MaskFiller:
             self._pool.shutdown()
             self._pool = None
 
-    def _fill(self, rows: list[tuple[int, "Matcher"]]) -> tuple[np.ndarray, list]:
+    def _fill(self, rows: list[tuple[int, "Matcher"]], put) -> tuple[Any, list[tuple["Matcher", str]]]:
         mask_bw = full_masks(self.rows, self.vocab)
-        return mask_bw, _fill_rows(mask_bw, rows, self._llg())
+        failed = _failures(mask_bw, _fill_rows(mask_bw, rows, self._llg()))
+        return (mask_bw if put is None else put(mask_bw)), failed
 
     def _llg(self) -> llguidance.LLExecutor:
         if self._executor is None:
@@ -228,12 +222,12 @@ class PendingMasks:
     def __init__(self, future: Future):
         self._future = future
 
-    def result(self) -> np.ndarray:
+    def result(self) -> Any:
         """The masks, once made; failures llguidance met are recorded on their matchers here, on the caller's
         thread (a consumer reading a matcher's `error` meanwhile sees it unchanged)."""
-        mask_bw, pending = self._future.result()
-        _check_rows(mask_bw, pending)
-        return mask_bw
+        masks, failed = self._future.result()
+        _record(failed)
+        return masks
 
 
 def fill_masks(mask_bw: np.ndarray, rows: Sequence[tuple[int, "Matcher"]], executor: llguidance.LLExecutor | None = None
@@ -241,7 +235,7 @@ def fill_masks(mask_bw: np.ndarray, rows: Sequence[tuple[int, "Matcher"]], execu
     """Fill each `(row, matcher)` row of `mask_bw` with the tokens its matcher allows next (a `Matcher`, or
     anything with its `mask_source`, such as a thinking budget). With an `executor`, llguidance computes the
     grammars' rows together on its own threads, without holding Python's lock."""
-    _check_rows(mask_bw, _fill_rows(mask_bw, rows, executor))
+    _record(_failures(mask_bw, _fill_rows(mask_bw, rows, executor)))
 
 
 def _fill_rows(mask_bw: np.ndarray, rows: Sequence[tuple[int, "Matcher"]], executor: llguidance.LLExecutor | None
@@ -256,9 +250,27 @@ def _fill_rows(mask_bw: np.ndarray, rows: Sequence[tuple[int, "Matcher"]], execu
     return pending
 
 
-def _check_rows(mask_bw: np.ndarray, pending: list[tuple["Matcher", int]]) -> None:
-    for m, row in pending:
-        m._check(mask_bw, row)
+def _failures(mask_bw: np.ndarray, pending: list[tuple["Matcher", int]]) -> list[tuple["Matcher", str]]:
+    """The failures llguidance met in the rows it just filled, a mask allowing nothing among them, as (matcher,
+    message); those rows then allow only the stop tokens, so their responses end."""
+    if not pending:
+        return []
+    empty = ~mask_bw[[row for _, row in pending]].any(axis=1)
+    failed = []
+    for (m, row), none in zip(pending, empty):
+        if m._m.is_error():
+            failed.append((m, m._m.get_error()))
+        elif none:
+            failed.append((m, "the grammar allows no token here"))
+        else:
+            continue
+        only(mask_bw, row, m._stop_ids)
+    return failed
+
+
+def _record(failed: list[tuple["Matcher", str]]) -> None:
+    for m, error in failed:
+        m.error = error
 
 
 def mask_words(vocab: int) -> int:

@@ -97,10 +97,11 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     from the confidences of the drafts read last (`Engine.width_for`: the step in flight was dispatched before
     they were read). `acceptance`, if given, counts what the verification kept.
 
-    A step with a constrained request in it (`Request.matcher`) reads the step before it (advancing the
-    matchers), starts the token masks on another thread, dispatches the model, yields the tokens it read while
-    the masks are made, then samples with the masks: the masks cost the host no time where the model's
-    dispatch and the consumer's work take longer. Constrained requests do not combine with drafting.
+    A step with a constrained request in it (`Request.matcher`) dispatches the model, reads the step before it
+    (advancing the matchers) while the device runs the model, starts the token masks on another thread (which
+    also copies them to the device), yields the tokens it read while the masks are made, then samples with the
+    masks: the masks are made while the device runs the model and the consumer handles tokens. Constrained
+    requests do not combine with drafting.
     """
     cancelled = set() if cancelled is None else cancelled
     timer = timer or StepTimer()
@@ -112,6 +113,7 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
     exhausted = False
     inflight = None  # the step dispatched last, not read yet: (its result, [(slot, request), ...])
     masks = MaskFiller(n, engine.cfg.vocab_size)
+    put = engine.mask_placer()  # the masks' thread copies them to the device
     try:
         while True:
             free = [s for s in range(n) if slots.request[s] is None]
@@ -163,11 +165,11 @@ def run(engine: Engine, requests: Iterable[Request], cancelled: set[int] | None 
                     raise ValueError("constrained requests (a grammar) cannot run with speculative decoding")
                 sampling = slots.sampling()
                 last = inflight[0].token if inflight is not None else np.asarray(slots.last, np.int32)
-                events = _take(slots, inflight, timer) if inflight is not None else []
-                pending_masks = masks.start(_mask_rows(slots, rows))
                 with timer:
                     cache, logits, positions = engine.decode_logits(cache, last, active)
+                events = _take(slots, inflight, timer) if inflight is not None else []
                 inflight = None
+                pending_masks = masks.start(_mask_rows(slots, rows), put)
                 yield from _hand_out(slots, events, cancelled)
                 mask_bw = pending_masks.result()
                 with timer:

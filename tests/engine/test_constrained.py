@@ -7,6 +7,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import jsonschema
+import numpy as np
 import pytest
 
 import dsjax
@@ -60,17 +61,28 @@ def test_outputs_follow_their_grammars_and_other_rows_are_untouched(setup):
     assert [res[2].tokens, res[4].tokens] == [a.tokens for a in alone]
 
 
-def test_masks_are_computed_while_the_model_is_dispatched_and_the_tokens_handed_out(setup, monkeypatch):
-    """Per step: the step before read (the matchers advanced), the masks started, the model dispatched, the
-    tokens read handed out, then the masks awaited and the sampler dispatched; the masks' rows are filled on
-    another thread, not the consumer's."""
+def test_masks_are_computed_while_the_device_runs_the_model_and_the_tokens_are_handed_out(setup, monkeypatch):
+    """Per step: the model dispatched, the step before read (the matchers advanced), the masks started, the
+    tokens read handed out, then the masks awaited and the sampler dispatched; the masks' rows are filled and
+    copied to the device on another thread, not the consumer's."""
     model, engine, grammars = setup
-    log, threads = [], set()
-    decode, sample, get, source, hand_out, start, result = (
+    log, threads, put_on, sampled_with = [], set(), [], []
+    decode, sample, get, source, hand_out, start, result, placer = (
         engine.decode_logits, engine.sample, jax.device_get, Matcher.mask_source, scheduler._hand_out,
-        MaskFiller.start, PendingMasks.result)
+        MaskFiller.start, PendingMasks.result, engine.mask_placer)
+
+    def mask_placer():
+        put = placer()
+        return lambda m: (put_on.append((threading.current_thread().name, type(m))), put(m))[1]
+
+    def sample_logged(*a):
+        log.append("sample")
+        sampled_with.append(a[3] if len(a) > 3 else None)
+        return sample(*a)
+
     monkeypatch.setattr(engine, "decode_logits", lambda *a: (log.append("model"), decode(*a))[1])
-    monkeypatch.setattr(engine, "sample", lambda *a: (log.append("sample"), sample(*a))[1])
+    monkeypatch.setattr(engine, "sample", sample_logged)
+    monkeypatch.setattr(engine, "mask_placer", mask_placer)
     monkeypatch.setattr(scheduler.jax, "device_get", lambda x: (log.append("read"), get(x))[1])
     monkeypatch.setattr(Matcher, "mask_source",
                         lambda self, *a: (threads.add(threading.current_thread().name), source(self, *a))[1])
@@ -83,10 +95,15 @@ def test_masks_are_computed_while_the_model_is_dispatched_and_the_tokens_handed_
     # the prefill (its masks on the caller's thread, no "masks" start), its read; then step 1 (nothing to read
     # before it), step 2, ...
     assert log[:2] == ["sample", "read"], log
-    assert log[2:7] == ["masks", "model", "hand out", "masks ready", "sample"], log
-    assert log[7:13] == ["read", "masks", "model", "hand out", "masks ready", "sample"], log
+    assert log[2:7] == ["model", "masks", "hand out", "masks ready", "sample"], log
+    assert log[7:13] == ["model", "read", "masks", "hand out", "masks ready", "sample"], log
     assert threading.current_thread().name in threads  # the prefill's
     assert any(t.startswith("dsjax-masks") for t in threads), threads
+    # each decode step's masks copied to the device by the masks' thread, not the consumer's
+    assert [t for t, kind in put_on if t.startswith("dsjax-masks") and kind is np.ndarray] == (
+        [t for t, _ in put_on if t.startswith("dsjax-masks")]), put_on
+    assert len([t for t, _ in put_on if t.startswith("dsjax-masks")]) == log.count("masks") >= 2, put_on
+    assert all(isinstance(m, jax.Array) for m in sampled_with[1:]), sampled_with  # decode steps: on the device
     assert not [t for t in threading.enumerate() if t.name.startswith("dsjax-masks")]  # closed with the run
 
 

@@ -2,6 +2,7 @@
 their errors and the cache's bound."""
 
 import json
+import threading
 import os
 
 import numpy as np
@@ -190,4 +191,11 @@ def test_masks_started_on_a_thread_equal_those_made_in_place_and_record_failures
     assert (got[[1, 4]] == -1).all()
     filler.close()
     assert (filler.start(list(zip(rows, fresh()))).result() == made).all()
+    # `put` takes the finished masks (the failed row already cut to the stop tokens) on the masks' thread
+    ms, names = fresh(), []
+    ms[1]._m.consume_token(grammars.tokenizer.tokenize_str("z")[0])
+    put = filler.start(list(zip(rows, ms)), lambda m: (names.append(threading.current_thread().name), ("put", m.copy()))[1])
+    tag, masks = put.result()
+    assert tag == "put" and names and names[0].startswith("dsjax-masks"), names
+    assert (masks == got).all() and ms[1].error is not None
     filler.close()
