@@ -36,8 +36,8 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     by `dsjax convert` (Orbax) is read layer by layer straight onto the devices: onto `mesh` (a
     jax Mesh with axes dp/ep/tp, or a spec such as "ep=8", see `dsjax.parallel`) each device receiving only
     its slice of each array; a safetensors folder is loaded onto one device and then placed on `mesh`.
-    DeepSeek-V4.1 (either kind of folder) loads onto one device so far; `drafter=False` leaves its DSpark
-    stages (`mtp.*`) unread, for a run that does not draft.
+    DeepSeek-V4.1 loads the same ways; `drafter=False` leaves its DSpark stages (`mtp.*`) unread, for a run
+    that does not draft.
     """
     check_choice("weights", weights, WEIGHTS)
     folder = os.fspath(path)
@@ -49,16 +49,19 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
                               else f"{folder} has no config.json")
     if dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"dtype must be jnp.float32 or jnp.bfloat16, got {dtype}")
-    if load_v41.is_v41_folder(folder):
-        if mesh is not None:
-            raise CheckpointError(f"{folder}: DeepSeek-V4.1 loads on one device so far (no mesh)")
-        if converted.is_converted(folder):
-            return load_v41.load_converted_v41(folder, dtype, weights, drafter)
-        return load_v41.load_v41(folder, cfg_path, dtype, weights, drafter)
     if isinstance(mesh, str):
         from dsjax.parallel.mesh import make_mesh
 
         mesh = make_mesh(mesh)
+    if load_v41.is_v41_folder(folder):
+        if converted.is_converted(folder):
+            return load_v41.load_converted_v41(folder, dtype, weights, drafter, mesh)
+        model = load_v41.load_v41(folder, cfg_path, dtype, weights, drafter)
+        if mesh is None:
+            return model
+        from dsjax.parallel.shard import shard_model
+
+        return shard_model(model, mesh)  # whole on one device first, as for V4
     if converted.is_converted(folder):
         return converted.load_converted(folder, dtype, weights, mesh)
     if mesh is not None:  # whole on one device first: fine for small models; convert large ones

@@ -73,18 +73,25 @@ def _from_tensors(folder: str, stored: V41Config, tensors, cfg_path: str, dtype,
     return _finish(graphdef, flat, cfg, token_map, kept)
 
 
-def load_converted_v41(folder: str, dtype=jnp.float32, weights: str = "keep", drafter: bool = True) -> DeepseekV41:
+def load_converted_v41(folder: str, dtype=jnp.float32, weights: str = "keep", drafter: bool = True,
+                       mesh=None) -> DeepseekV41:
     """A DeepseekV41 from a `dsjax convert` folder (`converted.py`'s layout, keyed by dsjax path; the kept
-    weights by release name), on one device. `weights="bf16"` over FP8/FP4 storage dequantizes as
-    `load_v41` does, from the release tensors the stored arrays are. `drafter=False` leaves DSpark's stages
+    weights by release name, on the host), on one device or read straight onto `mesh` by the rules table
+    (`converted.fill`). `weights="bf16"` over FP8/FP4 storage dequantizes as `load_v41` does, from the
+    release tensors the stored arrays are (then placed on `mesh`). `drafter=False` leaves DSpark's stages
     out."""
     man = converted.read_manifest(folder)
     cfg_path = os.path.join(folder, "config.json")
     stored = V41Config.from_hf(cfg_path)
     if weights == "bf16" and stored.quantization is not None:
         keep = load_converted_v41(folder, dtype, "keep", drafter)
-        return _from_tensors(folder, keep.cfg, ((n, folder, v) for n, v in release_tensors(keep)), cfg_path, dtype,
-                             weights)
+        model = _from_tensors(folder, keep.cfg, ((n, folder, v) for n, v in release_tensors(keep)), cfg_path, dtype,
+                              weights)
+        if mesh is None:
+            return model
+        from dsjax.parallel.shard import shard_model
+
+        return shard_model(model, mesh)
     token_map = _token_map(folder, stored)
     if not drafter:
         stored = without_drafter(stored)
@@ -93,7 +100,7 @@ def load_converted_v41(folder: str, dtype=jnp.float32, weights: str = "keep", dr
     if not drafter:
         pieces = {k: p for k, p in pieces.items() if not names_v41.is_draft(p.hf)}
     kept = {k: p for k, p in pieces.items() if names_v41.is_kept(p.hf)}
-    converted.fill(folder, {k: p for k, p in pieces.items() if k not in kept}, flat, targets)
+    converted.fill(folder, {k: p for k, p in pieces.items() if k not in kept}, flat, targets, mesh)
     return _finish(graphdef, flat, stored, token_map, converted.read_whole(folder, list(kept.values())))
 
 

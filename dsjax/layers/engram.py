@@ -30,13 +30,15 @@ class Engram(nnx.Module):
         self.cfg = cfg
         n, h = cfg.hc_mult, cfg.hidden_size
         table = 0.02 * jax.random.normal(rngs.params(), (rows, cfg.engram_head_dim))
+        # On a mesh the table's values split over the devices (`parallel.rules`): the release's tables are
+        # ~100 GB each, and the row counts are not multiples of a device count; each device gathers its part.
         if cfg.quantization is None:
-            self.table = nnx.Param(table.astype(dtype))
+            self.table = nnx.Param(table.astype(dtype), axes=(None, "engram_dim"))
             self.table_scale = None
         else:  # as released: e4m3 rows with a ue8m0 scale per 32 values
             q, scale = quantize_fp8(table, (1, ROW_GROUP), "ue8m0")
-            self.table = nnx.Param(q)
-            self.table_scale = Buffer(scale)
+            self.table = nnx.Param(q, axes=(None, "engram_dim"))
+            self.table_scale = Buffer(scale, axes=(None, "engram_dim"))
         self.kv_proj = Linear(cfg.engram_hash_heads * cfg.engram_head_dim, (n + 1) * h, rngs=rngs, dtype=dtype,
                               quant=cfg.quantization)
         self.q_weight = nnx.Param(jnp.ones((n, h), dtype))

@@ -5,7 +5,8 @@ axes=("heads", None))`); a variable without it is small and replicated. Stacked 
 leading "layers" axis. Nothing outside this file names a mesh axis for a parameter or a cache array.
 
 Parameters: routed experts split over `ep`; query heads (and what carries them: the sinks, the grouped
-output projection) and the expert FFN width split over `tp`. Activations: the tokens entering the MoE
+output projection) and the expert FFN width split over `tp`; the values of V4.1's Engram table rows (and
+their scales) over every device. Activations: the tokens entering the MoE
 are split over every data and expert device, and so are the cache's slots (data-parallel attention).
 """
 
@@ -23,6 +24,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tp",  # attention query heads, and the output projection's groups that carry them
     "ffn": "tp",  # the FFN width (moe_intermediate_size) of the routed and the shared experts
     "embed": None,  # the hidden size
+    "engram_dim": ("dp", "ep", "tp"),  # the values of a row of V4.1's Engram tables: split over every device
     "tokens": ("dp", "ep"),  # tokens entering the MoE: attention is data-parallel over every device
     "slots": ("dp", "ep"),  # the cache's sequences: each device keeps the cache of its own slots
 }

@@ -244,5 +244,26 @@ def test_unsupported_options_are_refused(src, keep, tmp_path):
     with pytest.raises(ValueError, match=r"the expert axis \(3\) must divide n_routed_experts \(8\)"):
         convert(src, tmp_path / "dst", ep=3, progress=False)
     assert_absent(tmp_path / "dst")
-    with pytest.raises(CheckpointError, match="DeepSeek-V4.1 loads on one device so far"):
-        dsjax.load_model(keep, mesh="ep=2")
+
+
+@pytest.mark.parametrize("folder", ["keep", "src"])
+def test_loads_onto_a_mesh_each_device_holding_its_share(request, folder, kept):
+    """Onto dp=2,ep=4 (the converted folder read straight onto the devices, the release folder placed after
+    loading): the experts split over ep, an Engram table's row values over all 8 devices (its one scale a row
+    stays whole),
+    every variable the one-device model's, and the forward's logits those of one device."""
+    model = dsjax.load_model(request.getfixturevalue(folder), mesh="dp=2,ep=4")
+    experts = model.layers[4].ffn.experts.gate_up_proj[...]
+    assert experts.sharding.spec[0] == "ep" and experts.addressable_shards[0].data.shape[0] == 2
+    engram = next(layer.engram for layer in model.layers if layer.engram is not None)
+    table, scale = engram.table[...], engram.table_scale[...]
+    assert table.sharding.spec == jax.sharding.PartitionSpec(None, ("dp", "ep"))
+    assert table.addressable_shards[0].data.shape == (table.shape[0], table.shape[1] // 8)
+    assert scale.shape[1] == 1 and scale.sharding.spec == jax.sharding.PartitionSpec(None, None)  # 16 values: 1 scale
+    a, b = _flat(model), _flat(kept)
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    if folder == "keep":  # the same variables either way: one forward on the mesh is enough
+        ids = jnp.asarray(np.random.default_rng(0).integers(3, 250, (2, 12)), jnp.int32)
+        with jax.set_mesh(experts.sharding.mesh):
+            got = np.asarray(jax.jit(lambda m, x: m.forward(x))(model, ids))
+        assert_close(got, np.asarray(kept.forward(ids)), rtol=1e-5, what="on the mesh against one device")
