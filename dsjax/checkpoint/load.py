@@ -16,6 +16,7 @@ from dsjax.checkpoint.stored import (check_kind, check_scales_declared, check_sh
 from dsjax.checkpoint.targets import Target, abstract_model
 from dsjax.config import ModelConfig
 from dsjax.model import DeepseekV4
+from dsjax.parallel.shard import on_mesh
 from dsjax.run_config import WEIGHTS, check_choice
 
 
@@ -56,18 +57,12 @@ def load_model(path: str | os.PathLike, dtype=jnp.float32, weights: str = "keep"
     if load_v41.is_v41_folder(folder):
         if converted.is_converted(folder):
             return load_v41.load_converted_v41(folder, dtype, weights, drafter, mesh)
-        model = load_v41.load_v41(folder, cfg_path, dtype, weights, drafter)
-        if mesh is None:
-            return model
-        from dsjax.parallel.shard import shard_model
-
-        return shard_model(model, mesh)  # whole on one device first, as for V4
+        # whole on one device first, as for V4
+        return on_mesh(load_v41.load_v41(folder, cfg_path, dtype, weights, drafter), mesh)
     if converted.is_converted(folder):
         return converted.load_converted(folder, dtype, weights, mesh)
     if mesh is not None:  # whole on one device first: fine for small models; convert large ones
-        from dsjax.parallel.shard import shard_model
-
-        return shard_model(load_model(folder, dtype, weights), mesh)
+        return on_mesh(load_model(folder, dtype, weights), mesh)
     stored = ModelConfig.from_hf(cfg_path)  # from the path, so that its errors name the file
     cfg = stored if weights == "keep" else stored.replace(quantization=None)
 

@@ -22,6 +22,7 @@ from dsjax.config_v41 import V41Config
 from dsjax.engram_hash import EngramHasher, tokenizer_token_map
 from dsjax.layers.ngram_hash import NgramHash, default_token_map
 from dsjax.model_v41 import DeepseekV41
+from dsjax.parallel.shard import on_mesh
 from dsjax.quant import dequantize_fp8
 
 
@@ -85,13 +86,8 @@ def load_converted_v41(folder: str, dtype=jnp.float32, weights: str = "keep", dr
     stored = V41Config.from_hf(cfg_path)
     if weights == "bf16" and stored.quantization is not None:
         keep = load_converted_v41(folder, dtype, "keep", drafter)
-        model = _from_tensors(folder, keep.cfg, ((n, folder, v) for n, v in release_tensors(keep)), cfg_path, dtype,
-                              weights)
-        if mesh is None:
-            return model
-        from dsjax.parallel.shard import shard_model
-
-        return shard_model(model, mesh)
+        return on_mesh(_from_tensors(folder, keep.cfg, ((n, folder, v) for n, v in release_tensors(keep)), cfg_path,
+                                     dtype, weights), mesh)
     token_map = _token_map(folder, stored)
     if not drafter:
         stored = without_drafter(stored)

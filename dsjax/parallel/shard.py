@@ -19,6 +19,11 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def on_mesh(model: nnx.Module, mesh: jax.sharding.Mesh | None) -> nnx.Module:
+    """`model` placed on `mesh` (`shard_model`); as it is without one."""
+    return model if mesh is None else shard_model(model, mesh)
+
+
 def abstract_on_mesh(state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
     """`state` (e.g. of `nnx.eval_shape`) as ShapeDtypeStructs carrying the shardings the rules give them
     on `mesh`: what ahead-of-time lowering for that mesh takes, with nothing allocated."""
