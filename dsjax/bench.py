@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from dsjax.cache import layer_cache
-from dsjax.config import CSA, HCA, ModelConfig, QuantConfig
+from dsjax.config import CSA, HCA, ModelConfig
 from dsjax.config_v41 import V41Config, is_v41
 from dsjax.engine import scheduler
 from dsjax.engine.aot import stored_config
@@ -58,7 +58,7 @@ def bench_config(preset: str, layers: int | Sequence[int] | None = None, weights
         cfg = V41Config.preset(preset)
         if layers is not None:
             cfg = v41_slice(cfg, range(layers) if isinstance(layers, int) else layers, engram_rows)
-        return cfg.replace(quantization=(cfg.quantization or V41_QUANT) if weights == "keep" else None)
+        return stored_config(cfg, weights)
     if layers is not None and not isinstance(layers, int):
         raise ValueError(f"--layers takes a count for a V4 preset (its first N layers), got {list(layers)}")
     cfg = ModelConfig.preset(preset)
@@ -68,9 +68,6 @@ def bench_config(preset: str, layers: int | Sequence[int] | None = None, weights
         cfg = cfg.replace(num_hidden_layers=layers, layer_types=cfg.layer_types[:layers],
                           mlp_layer_types=cfg.mlp_layer_types[:layers])
     return stored_config(cfg, weights)
-
-
-V41_QUANT = QuantConfig((32, 32), "ue8m0", "fp4")  # the release's storage of V4.1
 
 
 def v41_slice(cfg: V41Config, layers: Sequence[int], engram_rows: int | None = None) -> V41Config:

@@ -395,11 +395,9 @@ def _plan(args: argparse.Namespace) -> int:
 
         if args.model:
             raise ValueError("--layers cuts a preset; a --model folder is planned whole")
-        if not isinstance(args.layers, int):
-            raise ValueError(f"plan's --layers takes a count (the preset's first N layers), got {list(args.layers)}")
         cfg = bench_config(args.preset, args.layers, run.weights)
     else:
-        cfg = ModelConfig.preset(args.preset) if args.preset else ModelConfig.from_hf(args.model)
+        cfg = _load_config(args)
     common = dict(device_mem=budget, model_name=args.preset or args.model)
     base = plan(cfg, run, **common)
     fit = None
@@ -570,8 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "slots": "sequences in flight over the mesh (a multiple of the dp·ep devices)",
                      "mesh": "e.g. 'ep=8' or 'dp=2,ep=4' (axes dp, ep, tp); host CPU devices stand in for "
                              "missing ones"})
-    pl.add_argument("--layers", type=_layers_arg, help="keep the preset's first N decoder layers (the slice "
-                    "`dsjax bench --layers N` runs, to compare its peak memory with the plan)")
+    pl.add_argument("--layers", type=_layers_arg, help="keep the preset's first N decoder layers, or for V4.1 the "
+                    "release's layers listed (0,1,20,21): the slice `dsjax bench --layers` runs, to compare its peak "
+                    "memory with the plan")
     pl.add_argument("--device-mem", default="141GB",
                     help="memory budget per device: '141GB' (10^9), '80GiB' (2^30) or bytes ('141e9'); "
                          "default 141GB (an H200)")

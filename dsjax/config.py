@@ -334,8 +334,8 @@ class ModelConfig:
         mt = raw.get("model_type", "deepseek_v4")
         if mt in ("deepseek_v41", "deepseek_v41_text"):
             raise ConfigError("this is a DeepSeek-V4.1 config: read it with dsjax.config_v41.V41Config (load_model, "
-                              "generate, `dsjax info` and `dsjax bench` do); `dsjax plan`, `export` and `convert` "
-                              "take V4 models so far")
+                              "generate, convert, `dsjax info`, `plan` and `bench` do); `dsjax export` takes V4 "
+                              "models so far")
         if mt != "deepseek_v4":
             raise ConfigError(f"model_type is {mt!r}; dsjax reads only 'deepseek_v4' configs")
         return cls(**_derive(raw))

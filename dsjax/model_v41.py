@@ -243,6 +243,14 @@ def with_cache_rounding(model: nnx.Module, on: bool) -> nnx.Module:
     return model
 
 
+def abstract_state(cfg: V41Config, dtype=jnp.bfloat16, token_map: np.ndarray | None = None
+                   ) -> tuple[nnx.GraphDef, list]:
+    """(graphdef, flat state of ShapeDtypeStructs) of a `cfg` model, nothing allocated."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                                                   token_map=token_map)))
+    return graphdef, list(nnx.to_flat_state(state))
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _jitted_forward(graphdef, state, input_ids, image_mask, engram_rows, lengths):
     return nnx.merge(graphdef, state).forward(input_ids, image_mask, engram_rows, lengths)

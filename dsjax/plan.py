@@ -38,6 +38,7 @@ import time
 import jax
 
 from dsjax.config import SLIDING, ModelConfig
+from dsjax.config_v41 import V41Config
 from dsjax.engine import steps
 from dsjax.engine.aot import abstract_steps
 from dsjax.parallel.mesh import parse_mesh
@@ -302,7 +303,7 @@ def largest_fit(base: Plan, replan, limit: int = 1 << 16, log=None) -> Fit:
                probes=tuple((s, known[s].total, known[s].fits) for s in order))
 
 
-def plan(cfg: ModelConfig, run: RunConfig, *, device_mem: int | str = "141GB", prefill_rows: int | None = None,
+def plan(cfg: ModelConfig | V41Config, run: RunConfig, *, device_mem: int | str = "141GB", prefill_rows: int | None = None,
          model_name: str | None = None, devices=None) -> Plan:
     """Compile the engine's decode and prefill-chunk steps for `cfg` run as `run` says (its weights stored as
     `run.weights` names, on the mesh `run.mesh`; None: one device) from abstract arrays and return the
@@ -329,13 +330,16 @@ def plan(cfg: ModelConfig, run: RunConfig, *, device_mem: int | str = "141GB", p
 
     weights_bytes = sharded_bytes(jax.tree.leaves(a.params))
     cache_bytes = sharded_bytes(jax.tree.leaves(a.cache))
-    small_inputs = {name: mem[name].argument - weights_bytes - cache_bytes for name in mem}
+    # The steps' own inputs, from their shapes: XLA's argument bytes leave out weights a step never reads
+    # (V4.1's DSpark and image encoder in decode and prefill), which the device holds all the same.
+    small_inputs = {name: sharded_bytes(jax.tree.leaves(args[3:]))
+                    for name, args in (("decode", a.decode_args), ("prefill", a.prefill_args))}
     cmodel = cache_model(lambda length: a.cache_shapes(1, length), a.cfg, a.slot_shards)
     if cmodel.bytes(run.slots, run.max_len) != cache_bytes:
         raise AssertionError(f"cache model gives {cmodel.bytes(run.slots, run.max_len)} bytes per device, the "
                              f"sharded cache {cache_bytes}")
     return Plan(model=model_name or "model", mesh=sizes, devices=a.mesh.devices.size,
-                device_kind=a.mesh.devices.flat[0].platform, slots=run.slots, max_len=run.max_len,
+                device_kind=_kind(a.mesh.devices.flat[0]), slots=run.slots, max_len=run.max_len,
                 chunk_size=run.chunk_size, prefill_rows=a.prefill_rows, weights_format=run.weights,
                 kv_dtype=run.kv_dtype or run.dtype, device_mem=budget, weights=weights_bytes, cache=cache_bytes,
                 decode=mem["decode"], prefill=mem["prefill"], cache_model=cmodel, small_inputs=small_inputs,
@@ -360,14 +364,23 @@ def sharded_bytes(leaves) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
 
 
-def cache_model(one_slot, cfg, slot_shards: int) -> CacheModel:
+def compress_rates(cfg: ModelConfig | V41Config) -> set[int]:
+    """The compress rates of the layers that store compressed entries: V4's compressed layer types, V4.1's
+    KV-source (Full) layers."""
+    if cfg.family == "v4.1":
+        return {role.ratio for role in cfg.layer_roles() if role.mode == "full"}
+    return {cfg.compress_rate(t) for t in set(cfg.layer_types) if t != SLIDING}
+
+
+def cache_model(one_slot, cfg: ModelConfig | V41Config, slot_shards: int) -> CacheModel:
     """The cache's bytes per slot as `fixed + Σ_m per_entry[m] · ⌊L / m⌋`, from `one_slot(L)` (the abstract
     cache of one slot of L tokens): at L = 0 only the fixed part is there; at L = m each rate below m
     has added ⌊m / m'⌋ entries and rate m its first."""
     def slot_bytes(length):
-        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(one_slot(length).groups))
+        cache = one_slot(length)
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((cache.groups, cache.history)))
 
-    rates = sorted({cfg.compress_rate(t) for t in set(cfg.layer_types) if t != SLIDING})
+    rates = sorted(compress_rates(cfg))
     fixed = slot_bytes(0)
     per_entry: list[tuple[int, int]] = []
     for m in rates:
@@ -375,3 +388,8 @@ def cache_model(one_slot, cfg, slot_shards: int) -> CacheModel:
         per_entry.append((m, grown))
     return CacheModel(slot_shards=slot_shards, fixed=fixed, per_entry=tuple(per_entry))
 
+
+
+def _kind(device) -> str:
+    """What the table calls a device: "cpu", or an accelerator's kind ("NVIDIA H200")."""
+    return device.platform if device.platform == "cpu" else device.device_kind

@@ -17,6 +17,8 @@ from dsjax.model import DeepseekV4
 
 # What DeepSeek-V4 releases use: power-of-two scales and FP4 routed experts.
 V4_QUANT = QuantConfig(weight_block_size=(128, 128), scale_fmt="ue8m0", expert_dtype="fp4")
+# And DeepSeek-V4.1's: 32x32 blocks.
+V41_QUANT = QuantConfig(weight_block_size=(32, 32), scale_fmt="ue8m0", expert_dtype="fp4")
 
 
 def scale_leaf(leaf: str) -> str:

@@ -18,7 +18,7 @@ from dsjax.cli import main
 from dsjax.config import ModelConfig
 from dsjax.engine.sampling import MAX_LOGPROBS
 from dsjax.model import DeepseekV4
-from dsjax.plan import ONE_M, CacheModel, largest_fit, parse_bytes, plan, queued_prefill_inputs
+from dsjax.plan import ONE_M, CacheModel, fmt_bytes, largest_fit, parse_bytes, plan, queued_prefill_inputs
 from dsjax.quantize import V4_QUANT
 from dsjax.run_config import RunConfig
 
@@ -211,7 +211,7 @@ def test_cli_plans_a_preset_cut_to_its_first_layers(planned, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--layers", "0,1"], "plan's --layers takes a count"),
+    (["--layers", "0,1"], "--layers takes a count for a V4 preset"),
     (["--layers", "99"], "--layers must be between 1 and"),
     (["--device-mem", "141XB"], "device memory '141XB'"),
     (["--preset", "nope"], "unknown preset 'nope'"),
@@ -258,3 +258,102 @@ def test_the_command_gives_the_cpu_backend_enough_devices():
         out = subprocess.run([sys.executable, "-c", code.format(n=n)], env=env, capture_output=True, text=True,
                              check=True).stdout
         assert out.split()[-1] == str(want)
+
+
+# DeepSeek-V4.1: the same plan, its release's storage (32x32 FP8 blocks, FP4 experts, FP8 Engram tables).
+RUN41 = RUN.replace(slots=8)
+
+
+@pytest.fixture(scope="module")
+def tiny41():
+    from dsjax.config_v41 import V41Config
+
+    return V41Config.preset("tiny-v4.1")
+
+
+@pytest.fixture(scope="module")
+def planned41(tiny41):
+    return plan(tiny41, RUN41, device_mem="8MB", model_name="tiny-v4.1")
+
+
+def _on_device_0(tree) -> int:
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+               if s.device == jax.devices()[0])
+
+
+def test_v41_weights_are_what_a_model_placed_on_the_mesh_holds_on_each_device(tiny41, planned41):
+    """A real V4.1 model in the release's storage, placed by the rules table, measured shard by shard: the
+    plan's weights are device 0's. The routed experts and the Engram tables are split 8 ways."""
+    from dsjax.bench import random_model
+    from dsjax.engine.aot import stored_config
+    from dsjax.parallel.mesh import make_mesh
+    from dsjax.parallel.shard import shard_model
+
+    cfg = stored_config(tiny41, "keep")
+    assert cfg.quantization.weight_block_size == (32, 32) and cfg.quantization.expert_dtype == "fp4"
+    model = shard_model(random_model(cfg), make_mesh(RUN41.mesh))
+    state = nnx.state(model, nnx.Variable)
+    assert planned41.weights == _on_device_0(state)
+    split = {path: var.get_value() for path, var in nnx.to_flat_state(state)
+             if path[-1] == "table" or (path[-2:-1] == ("experts",) and path[-1] in EXPERT_LEAVES)}
+    assert any(p[-1] == "table" for p in split) and any(p[-1] == "gate_up_proj" for p in split)
+    assert any(str(x.dtype) == "float8_e4m3fn" for p, x in split.items() if p[-1] == "table")
+    for path, x in split.items():
+        if path[:1] == ("layers",):  # the backbone's (a table's scales, one per 32 values of a row, are one column here)
+            assert _on_device_0(x) * 8 == _nbytes(x), path
+
+
+def test_v41_cache_is_what_the_engine_puts_on_each_device(tiny41, planned41):
+    from dsjax.engine.engine import Engine
+    from dsjax.model_v41 import DeepseekV41
+    from dsjax.parallel.mesh import make_mesh
+
+    model = nnx.eval_shape(lambda: DeepseekV41(tiny41, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    engine = Engine(model, RUN41)
+    with jax.set_mesh(make_mesh(RUN41.mesh)):
+        cache = engine.new_cache()
+    assert cache.history is not None  # Engram's n-gram history: per slot, split with the slots
+    assert planned41.cache == _on_device_0(cache)
+    cm = planned41.cache_model
+    assert cm.slot_shards == 8 and [m for m, _ in cm.per_entry] == sorted(
+        {r.ratio for r in tiny41.layer_roles() if r.mode == "full"})
+    for slots, length in ((8, 1), (8, 63), (16, 64), (24, 65), (8, 100), (16, 1000)):
+        shapes = jax.eval_shape(lambda s=slots, n=length: init_cache(model, s, n, None, "fp4"))
+        want = slots * 4 + sum(_nbytes(x) for x in jax.tree.leaves((shapes.groups, shapes.history))) // 8
+        assert cm.bytes(slots, length) == want, (slots, length)
+
+
+def test_v41_cli_plans_a_preset_and_a_slice_of_its_layers(planned41, capsys):
+    argv = ["plan", "--preset", "tiny-v4.1", "--mesh", "ep=8", "--max-len", "64", "--slots", "8", "--weights", "keep",
+            "--kv-dtype", "fp4", "--chunk-size", "8", "--device-mem", "8MB", "--no-search"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny-v4.1: weights keep, kv fp4, mesh ep=8 (8 × cpu), 8 slots × 64 tokens")
+    assert f"{fmt_bytes(planned41.weights)}" in out and f"{fmt_bytes(planned41.total)}" in out
+    # the release's layers 0, 1, 2, 4 (2 and 4 both Full, so each keeps its role): fewer weights
+    assert main(argv + ["--layers", "0,1,2,4"]) == 0
+    weights = re.search(r"^  weights +([\d,.]+) (KB|MB)", capsys.readouterr().out, re.M)
+    assert weights and 0 < float(weights.group(1).replace(",", "")) * {"KB": 1e3, "MB": 1e6}[weights.group(2)] \
+        < planned41.weights
+
+
+def test_v41_step_inputs_count_the_weights_a_step_does_not_read():
+    """XLA leaves weights a step never reads out of its arguments (the image encoder: neither step embeds
+    images; in the release also DSpark); the plan still counts them, as the device holds them, and takes the
+    steps' own inputs from their shapes."""
+    from dsjax.config_v41 import V41Config
+    from dsjax.engine.aot import stored_config
+    from dsjax.model_v41 import DeepseekV41
+
+    cfg = V41Config.preset("tiny-v4.1-vision")
+    p = plan(cfg, RUN41, device_mem="8MB")
+    s, n, c = RUN41.slots, RUN41.slots, RUN41.chunk_size
+    sampling = 4 + 4 + 4 + 4
+    assert p.small_inputs == {"decode": s * (4 + 1 + sampling), "prefill": n * (c * 4 + 3 * 4 + sampling)}
+    model = nnx.eval_shape(lambda: DeepseekV41(stored_config(cfg, "keep"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    unused = sum(_nbytes(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Variable))
+                 if path[0] in ("vision", "aligner", "image_start", "image_newline", "image_end", "mtp"))
+    for name, step in (("decode", p.decode), ("prefill", p.prefill)):
+        unread = p.weights + p.cache + p.small_inputs[name] - step.argument
+        assert 0 < unread <= unused, (name, unread, unused)
+    assert p.other >= p.queued_inputs

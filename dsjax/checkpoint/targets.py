@@ -14,7 +14,7 @@ from flax import nnx
 from dsjax.checkpoint import names, names_v41
 from dsjax.config import ModelConfig
 from dsjax.model import abstract_state, layer_groups
-from dsjax.model_v41 import DeepseekV41
+from dsjax.model_v41 import abstract_state as abstract_state_v41
 
 _QUANTIZED = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.int8))  # FP8 weights, packed FP4 experts
 
@@ -65,9 +65,7 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16):
 def abstract_model_v41(cfg, dtype=jnp.bfloat16, token_map=None):
     """(graphdef, flat state of ShapeDtypeStructs, dsjax path → Target) of a DeepSeek-V4.1 `cfg` model,
     nothing allocated; the variables derived from the tokenizer (`names_v41.DERIVED`) have no target."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(0), dtype=dtype,
-                                                                   token_map=token_map)))
-    flat = list(nnx.to_flat_state(state))
+    graphdef, flat = abstract_state_v41(cfg, dtype, token_map)
     shapes = {".".join(str(p) for p in path): (path, var.get_value()) for path, var in flat}
     scales = {names_v41.scale_path(k) for k, (_, sds) in shapes.items() if np.dtype(sds.dtype) in _QUANTIZED}
     targets = {}

@@ -15,22 +15,32 @@ from flax import nnx
 
 from dsjax.cache import init_cache
 from dsjax.config import ModelConfig
+from dsjax.config_v41 import V41Config
 from dsjax.engine.sampling import SamplingArrays
 from dsjax.engine.steps import cache_specs
-from dsjax.model import abstract_state, with_kernels
+from dsjax.model import abstract_state as abstract_state_v4
+from dsjax.model import with_kernels
+from dsjax.model_v41 import abstract_state as abstract_state_v41
 from dsjax.parallel.mesh import AXES, make_mesh, parse_mesh
 from dsjax.parallel.rules import mesh_axes
 from dsjax.parallel.shard import abstract_on_mesh
-from dsjax.quantize import V4_QUANT
+from dsjax.quantize import V4_QUANT, V41_QUANT
 from dsjax.run_config import WEIGHTS, RunConfig, check_choice
 
 
-def stored_config(cfg: ModelConfig, weights: str) -> ModelConfig:
+def stored_config(cfg: ModelConfig | V41Config, weights: str) -> ModelConfig | V41Config:
     """`cfg` with the weight storage `weights` (`run_config.WEIGHTS`) names: "keep" keeps a config's
-    quantization, or gives a float one DeepSeek's release format (FP8 blocks, FP4 routed experts); "bf16"
-    drops it."""
+    quantization, or gives a float one its family's release format (FP8 blocks of 128x128 for V4, 32x32
+    for V4.1; FP4 routed experts); "bf16" drops it."""
     check_choice("weights", weights, WEIGHTS)
-    return cfg.replace(quantization=(cfg.quantization or V4_QUANT) if weights == "keep" else None)
+    if weights != "keep":
+        return cfg.replace(quantization=None)
+    return cfg.replace(quantization=cfg.quantization or (V41_QUANT if cfg.family == "v4.1" else V4_QUANT))
+
+
+def abstract_state(cfg: ModelConfig | V41Config, dtype=jnp.bfloat16):
+    """(graphdef, flat state of ShapeDtypeStructs) of a DeepSeek-V4 or V4.1 `cfg` model, nothing allocated."""
+    return (abstract_state_v41 if cfg.family == "v4.1" else abstract_state_v4)(cfg, dtype)
 
 
 def mesh_devices(n: int) -> list:
@@ -53,7 +63,7 @@ class AbstractSteps:
     take, from the static graphdef on; with a mesh they carry the shardings the rules and the engine give
     them. Lower them (`.lower`, `jax.export.export`) inside `context()`."""
 
-    cfg: ModelConfig  # with the weight storage `run.weights` applied
+    cfg: ModelConfig | V41Config  # with the weight storage `run.weights` applied
     run: RunConfig
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None  # None: one device, no shardings (as an engine runs)
     abstract_device: jax.sharding.AbstractDevice | None  # lowered for; None: this host's devices
@@ -95,7 +105,7 @@ class AbstractSteps:
         return jax.eval_shape(lambda: init_cache(self.model, n_slots, length, kv_dtype=self.run.kv_dtype))
 
 
-def abstract_steps(cfg: ModelConfig, run: RunConfig, *, prefill_rows: int | None = None, devices=None,
+def abstract_steps(cfg: ModelConfig | V41Config, run: RunConfig, *, prefill_rows: int | None = None, devices=None,
                    abstract_device: jax.sharding.AbstractDevice | None = None) -> AbstractSteps:
     """The engine's steps for `cfg` (its weights stored as `run.weights` says) with abstract arguments:
     `run.slots` sequences of `run.max_len` tokens, prefill chunks of `prefill_rows` (default: every slot)
