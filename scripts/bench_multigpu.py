@@ -4,17 +4,25 @@ the engine on the mesh, against `dsjax plan`'s memory prediction and the measure
 
     python scripts/bench_multigpu.py WORKDIR [--ep N] [--preset v4-flash] [--layers 2] [--experts E]
         [--per-device 64 128 256] [--prompt-len 4096] [--gen-len 16] [--json rows.jsonl]
+        [--job-mix 150:2000 3000:400 20000:90 180000:10 --job-slots 64 --job-max-len 262400]
+
+`--layers` is a count of the first layers (V4), the release's layer indices (V4.1: 0,1,2,20,21) or `all`
+(the whole model, V4.1's DSpark and image encoder too). The checkpoint and its conversion must both fit
+WORKDIR's disk: the script says so before writing when they do not (the whole V4.1-Flash takes 475 GiB each).
 
 Steps, each kept in WORKDIR and skipped when its result is there (a run cut short resumes, also row
 by row: a sequence count already measured with the same settings is not measured again):
 1. `src/`: the synthetic checkpoint (`scripts/make_synthetic_checkpoint.py`; FP8 blocks, FP4 experts);
 2. `converted/`: `dsjax convert --mesh ep=N` (expert blocks aligned to the expert axis);
-3. for each sequence count: `dsjax plan`'s per-device bytes, then `dsjax bench --mesh ep=N` on the
+3. with `--job-mix`: `dsjax generate` of a job of mixed prompt lengths (`scripts/make_requests.py --mix`) on
+   the mesh, in a process of its own before this one loads the model: its start-up (load, compile) and its
+   prompt and generated tokens per second, from the job's summary (`job/summary`);
+4. for each sequence count: `dsjax plan`'s per-device bytes, then `dsjax bench --mesh ep=N` on the
    converted checkpoint (decode throughput, peak memory of every device, the decode step by part with
    the collectives apart, on GPUs);
-4. the collectives' bandwidth on this mesh, measured alone (an all-to-all and an all-gather of 256 MiB
+5. the collectives' bandwidth on this mesh, measured alone (an all-to-all and an all-gather of 256 MiB
    per device), against the bytes the MoE's exchange moves per step (`scripts/comm_bytes.py`);
-5. with `--check-sequences N`: greedy tokens of N random prompts on the mesh against the same
+6. with `--check-sequences N`: greedy tokens of N random prompts on the mesh against the same
    checkpoint loaded whole onto the first device (it must fit there), kept in `WORKDIR/tokens.json`.
    Where a sequence parts, the one-device run's margin between its first and second choice at that
    step tells a rounding tie (near 0) from a wrong result.
@@ -129,6 +137,67 @@ def _append_row(path: str, row: dict) -> None:
         f.write(("\n" if torn else "") + json.dumps(row) + "\n")
 
 
+def checkpoint_bytes(preset: str, layers, experts: int | None = None) -> int:
+    """Bytes of the synthetic checkpoint of `preset` cut to `layers` (None: whole) with `experts` routed experts
+    (None: the preset's), in the release's storage: the stored model's arrays, from their shapes."""
+    import math
+
+    import jax
+
+    from dsjax.bench import bench_config
+    from dsjax.engine.aot import abstract_state
+
+    cfg = bench_config(preset, layers, "keep")
+    _, flat = abstract_state(cfg if experts is None else cfg.replace(n_routed_experts=experts))
+    return sum(math.prod(v.get_value().shape) * jax.numpy.dtype(v.get_value().dtype).itemsize for _, v in flat)
+
+
+def parse_layers(text: str):
+    """`--layers`: "all" → None, "2" → 2, "0,1,20" → (0, 1, 20)."""
+    if text == "all":
+        return None
+    try:
+        return int(text) if "," not in text else tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a count, layer indices such as 0,1,20, or all; got {text!r}") \
+            from None
+
+
+def run_job(workdir: str, model: str, ep: int, args) -> dict:
+    """`dsjax generate` of a job of mixed lengths on the `ep` mesh, in a process of its own; its summary."""
+    import subprocess
+
+    from dsjax.batch.job import summary_path
+
+    job = os.path.join(workdir, "job")
+    os.makedirs(job, exist_ok=True)
+    requests, output = os.path.join(job, "requests.jsonl"), os.path.join(job, "output.jsonl")
+    if not os.path.exists(requests):
+        sys.path.insert(0, _HERE)
+        from make_requests import main as make_requests
+
+        if make_requests([requests + ".partial", "--model", "synthetic", "--max-tokens", str(args.job_max_tokens),
+                          "--mix", *args.job_mix]) != 0:
+            raise SystemExit(2)
+        os.replace(requests + ".partial", requests)
+    summary = summary_path(output)
+    if os.path.exists(summary):
+        with open(summary) as f:
+            done = json.load(f)
+        if done.get("requests_already_done", 0) == 0 and done.get("requests_ok", 0) + done.get(
+                "requests_failed", 0) == sum(int(m.split(":")[1]) for m in args.job_mix):
+            print("[job] already there, skipped", flush=True)
+            return done
+    command = [sys.executable, "-m", "dsjax.cli", "generate", "--input", requests, "--model", model, "--output",
+               output, "--served-model-name", "synthetic", "--mesh", f"ep={ep}", "--weights", "keep", "--slots",
+               str(args.job_slots), "--max-len", str(args.job_max_len), "--quiet"] + (
+                   ["--kv-dtype", args.kv_dtype] if args.kv_dtype else [])
+    print("[job] " + " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+    with open(summary) as f:
+        return json.load(f)
+
+
 def _step(name: str, done: bool, fn):
     t = time.perf_counter()
     if done:
@@ -143,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("workdir", help="folder for the checkpoints and results (created; reused when re-run)")
     ap.add_argument("--ep", type=int, help="devices on the expert axis (default: every device)")
     ap.add_argument("--preset", default="v4-flash")
-    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the slice (default 2)")
+    ap.add_argument("--layers", type=parse_layers, default=2,
+                    help="the slice: a count of first layers (V4), layer indices (V4.1: 0,1,2,20,21), or all "
+                         "(default 2)")
     ap.add_argument("--experts", type=int, help="routed experts (default: the preset's)")
     ap.add_argument("--per-device", type=int, nargs="+", default=[64, 128, 256], help="sequences per device")
     ap.add_argument("--prompt-len", type=int, default=4096)
@@ -153,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled per-part split")
     ap.add_argument("--collective-mib", type=float, default=256,
                     help="buffer per device for timing the collectives alone (default 256 MiB)")
+    ap.add_argument("--job-mix", nargs="+", metavar="WORDS:COUNT",
+                    help="also run `dsjax generate` on a job of COUNT requests of about WORDS words per pair "
+                         "(`make_requests.py --mix`; about one token a word with DeepSeek's tokenizer)")
+    ap.add_argument("--job-slots", type=int, default=64, help="the job's --slots (default 64)")
+    ap.add_argument("--job-max-len", type=int, default=262400,
+                    help="the job's --max-len: the longest prompt and its answer (default 262,400)")
+    ap.add_argument("--job-max-tokens", type=int, default=256, help="each request's max_tokens (default 256)")
     ap.add_argument("--json", help="append one JSON row per sequence count (default WORKDIR/rows.jsonl)")
     ap.add_argument("--check-sequences", type=int, default=0, metavar="N",
                     help="also compare greedy tokens of N random prompts (a multiple of the mesh's devices) "
@@ -169,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsjax.bench import bench, format_report
     from dsjax.checkpoint.convert import convert
     from dsjax.checkpoint.load import load_model
-    from dsjax.config import ModelConfig
+    from dsjax.config_v41 import model_config
     from dsjax.parallel.mesh import make_mesh
     from dsjax.plan import fmt_bytes, plan
     from dsjax.run_config import RunConfig
@@ -190,15 +268,23 @@ def main(argv: list[str] | None = None) -> int:
                              "(every device holds as many sequences)")
         if args.check_sequences and min(args.check_prompt_len, args.check_gen_len) < 1:
             raise ValueError("--check-prompt-len and --check-gen-len must be positive")
+        if args.job_mix and min(args.job_slots, args.job_max_len) < 2:
+            raise ValueError("--job-slots and --job-max-len must be at least 2")
         mesh = make_mesh(f"ep={ep}")
+        src, dst = os.path.join(args.workdir, "src"), os.path.join(args.workdir, "converted")
+        need = checkpoint_bytes(args.preset, args.layers, args.experts) * sum(not os.path.exists(d) for d in (src, dst))
+        free = _free_bytes(args.workdir)
+        if need > free:
+            raise ValueError(f"the checkpoint and its conversion need {need / 2**30:,.1f} GiB more; "
+                             f"{args.workdir} has {free / 2**30:,.1f} GiB free: take fewer --layers")
     except ValueError as e:
         print(f"bench_multigpu: error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.workdir, exist_ok=True)
-    src, dst = os.path.join(args.workdir, "src"), os.path.join(args.workdir, "converted")
     out = args.json or os.path.join(args.workdir, "rows.jsonl")
-    synth = ["--preset", args.preset, "--layers", str(args.layers)] + (
-        ["--experts", str(args.experts)] if args.experts else [])
+    layers = [] if args.layers is None else ["--layers", str(args.layers) if isinstance(args.layers, int)
+                                             else ",".join(map(str, args.layers))]
+    synth = ["--preset", args.preset, *layers] + (["--experts", str(args.experts)] if args.experts else [])
 
     def make():
         import shutil
@@ -212,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
 
     _step("synthetic checkpoint", os.path.exists(os.path.join(src, "config.json")), make)
     _step(f"convert for ep={ep}", os.path.exists(dst), lambda: convert(src, dst, ep=ep, progress=False))
-    cfg = ModelConfig.from_hf(dst)
+    cfg = model_config(dst)
+    job = None
+    if args.job_mix:
+        t = time.perf_counter()
+        job = run_job(args.workdir, dst, ep, args)
+        print(f"[job] {time.perf_counter() - t:.1f} s", flush=True)
     model = load_model(dst, jnp.bfloat16, weights="keep", mesh=mesh)
     run = RunConfig(max_len=args.prompt_len + args.gen_len, chunk_size=args.chunk_size, kv_dtype=args.kv_dtype,
                     weights="keep", mesh=f"ep={ep}")
@@ -281,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{'n/a' if coll is None else f'{coll * 1e3:.2f}'} | "
               f"{'n/a' if not rate else f'{rate['gathered']:.1f} / {rate['ragged_mean']:.1f}'} | "
               f"{'n/a' if peak is None else fmt_bytes(peak)} / {fmt_bytes(r['planned_bytes_per_device'])}")
+    if job:
+        print(f"job: {job['requests_ok']} ok, {job['requests_failed']} failed; {job['prompt_tokens']:,} prompt and "
+              f"{job['generated_tokens']:,} generated tokens; load {job['load_seconds']:.1f} s, compile "
+              f"{job['compile_seconds']:.1f} s, generation {job['generation_seconds']:.1f} s at "
+              f"{job['prompt_tokens_per_second']:,.0f} prompt and {job['generated_tokens_per_second']:,.0f} "
+              "generated tok/s")
     if check:
         parts = ", ".join(f"#{p['sequence']} at step {p['step']} (one-device margin {p['margin']:.3g} nats)"
                           for p in check["partings"])
@@ -288,6 +385,15 @@ def main(argv: list[str] | None = None) -> int:
               f"and {check['equal_tokens']}/{check['tokens']} tokens equal; chosen-token logprobs within "
               f"{check['max_logprob_diff']:.3g} nats before any parting" + (f"; parted: {parts}" if parts else ""))
     return 0
+
+
+def _free_bytes(folder: str) -> int:
+    """Free bytes on the disk `folder` is (or will be) on."""
+    import shutil
+
+    while not os.path.exists(folder):
+        folder = os.path.dirname(os.path.abspath(folder))
+    return shutil.disk_usage(folder).free
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python scripts/make_requests.py OUT.jsonl --count 512 [--model DeepSeek-V4-Pro] [--words 200]
         [--max-tokens 64] [--seed 0] [--images 546x546 1036x770 ...]
+    python scripts/make_requests.py OUT.jsonl --mix 150:2000 3000:400 20000:90 180000:10 [...]
 
 Each request asks about a different run of random words (prompts of about `--words` words, varied ±50%),
 with thinking off and `temperature` 0.7, so every request samples and none is cut short by a stop token
@@ -45,10 +46,17 @@ def picture(width: int, height: int, seed: int) -> str:
 
 
 def requests(count: int, model: str, words: int, max_tokens: int, seed: int,
-             images: list[tuple[int, int]] | None = None):
+             images: list[tuple[int, int]] | None = None, mix: list[tuple[int, int]] | None = None):
+    """`count` requests of about `words` words (±50%); or with `mix` [(words, count), ...], that many of each
+    size (±10%), in a shuffled order, as a job of mixed lengths comes."""
     rng = random.Random(seed)
-    for i in range(count):
-        n = max(1, int(words * rng.uniform(0.5, 1.5)))
+    if mix:
+        sizes = [w for w, c in mix for _ in range(c)]
+        rng.shuffle(sizes)
+        lengths = [max(1, int(w * rng.uniform(0.9, 1.1))) for w in sizes]
+    else:
+        lengths = [max(1, int(words * rng.uniform(0.5, 1.5))) for _ in range(count)]
+    for i, n in enumerate(lengths):
         text = f"Summarise: {' '.join(rng.choice(_WORDS) for _ in range(n))}"
         content = text
         if images:
@@ -85,12 +93,26 @@ def size(text: str) -> tuple[int, int]:
     return w, h
 
 
+def mix_entry(text: str) -> tuple[int, int]:
+    """`WORDS:COUNT` → (words, count), both positive."""
+    try:
+        words, count = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not WORDS:COUNT, such as 200:1000") from None
+    if words < 1 or count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: words and count must be positive")
+    return words, count
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--count", type=int, help="requests (required unless --mix gives them)")
     p.add_argument("--model", default="DeepSeek-V4-Pro", help="the served model name requests give")
-    p.add_argument("--words", type=int, default=200, help="prompt words (about 1.3 tokens each)")
+    p.add_argument("--words", type=int, default=200, help="prompt words (about one token each with DeepSeek's tokenizer)")
+    p.add_argument("--mix", nargs="+", type=mix_entry, metavar="WORDS:COUNT",
+                   help="a job of mixed lengths instead of --count and --words: COUNT requests of about WORDS words "
+                        "(±10%%) for each pair, shuffled")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--images", nargs="+", type=size, metavar="WxH",
@@ -99,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="greedy questions about held-out standard-library functions instead of random words")
     p.add_argument("--stdlib", help="with --stdlib-heldout: the standard library's folder (default: this Python's)")
     args = p.parse_args(argv)
+    if args.mix:
+        if args.count is not None or args.stdlib_heldout:
+            p.error("--mix gives the requests' count and lengths: leave out --count and --stdlib-heldout")
+        args.count = sum(c for _, c in args.mix)
+    elif args.count is None:
+        p.error("give --count, or --mix")
     if args.count < 1 or args.words < 1 or args.max_tokens < 1:
         p.error("--count, --words and --max-tokens must be positive")
     if args.stdlib_heldout and args.images:
@@ -108,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         made = list(heldout_requests(args.count, args.model, args.max_tokens, args.seed, args.stdlib)
                     if args.stdlib_heldout
-                    else requests(args.count, args.model, args.words, args.max_tokens, args.seed, args.images))
+                    else requests(args.count, args.model, args.words, args.max_tokens, args.seed, args.images,
+                                  args.mix))
     except ValueError as e:
         p.error(str(e))
     with open(args.out, "w") as f:

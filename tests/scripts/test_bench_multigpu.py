@@ -4,6 +4,7 @@ converted for ep=8, loaded one slice per device, decoded through the engine on t
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -90,3 +91,36 @@ def test_refuses_a_mesh_that_is_not_every_device(tmp_path, capsys):
     assert multigpu.main([str(tmp_path / "x"), "--check-sequences", "3", "--preset", "tiny"]) == 2
     assert "--check-sequences 3: must be a multiple of the 8 devices" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # nothing written for bad input
+
+
+@pytest.mark.heavy
+def test_a_v41_slice_runs_with_a_job_of_mixed_lengths(tmp_path, capsys):
+    """DeepSeek-V4.1 by the release's layer indices: the checkpoint, its conversion, `dsjax generate` of a
+    mixed job on the mesh (in its own process, its summary kept), then the decode row; re-run, nothing again."""
+    work = tmp_path / "v41"
+    argv = [str(work), "--preset", "tiny-v4.1", "--layers", "0,1,2,3", "--per-device", "1", "--prompt-len", "12",
+            "--gen-len", "3", "--chunk-size", "8", "--collective-mib", "0.25", "--no-breakdown",
+            "--job-mix", "5:12", "60:4", "--job-slots", "8", "--job-max-len", "256", "--job-max-tokens", "4"]
+    assert multigpu.main(argv) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((work / "job" / "output.summary.json").read_text())
+    assert summary["requests_ok"] == 16 and summary["requests_failed"] == 0
+    assert len((work / "job" / "output.jsonl").read_text().splitlines()) == 16
+    assert f"job: 16 ok, 0 failed; {summary['prompt_tokens']:,} prompt" in out
+    (row,) = [json.loads(line) for line in (work / "rows.jsonl").read_text().splitlines()]
+    assert row["model"] == "tiny-v4.1 (4 layers, 8 experts)" and row["mesh"]["ep"] == 8
+    assert row["decode_tokens_per_s"] > 0 and row["planned_bytes_per_device"] > row["planned_weights"] > 0
+    assert multigpu.main(argv) == 0
+    again = capsys.readouterr().out
+    assert again.count("already there, skipped") == 3 and "per device] already in" in again
+
+
+def test_refuses_a_slice_whose_checkpoints_do_not_fit_the_disk(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(multigpu, "_free_bytes", lambda folder: 10 << 30)
+    assert multigpu.main([str(tmp_path / "big"), "--preset", "v4.1-flash", "--layers", "all"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"the checkpoint and its conversion need 9\d\d\.\d GiB more; .* has 10\.0 GiB free", err), err
+    assert not (tmp_path / "big").exists()
+    with pytest.raises(SystemExit):
+        multigpu.main([str(tmp_path / "big"), "--preset", "v4.1-flash", "--layers", "0,x"])
+    assert "argument --layers: a count, layer indices such as 0,1,20, or all; got '0,x'" in capsys.readouterr().err

@@ -77,3 +77,21 @@ def test_heldout_requests_ask_about_held_out_modules_greedily(tmp_path):
             make.main([str(out), "--stdlib-heldout", "--stdlib", str(root)] + bad)
     with pytest.raises(SystemExit):
         make.main([str(out), "--count", "2", "--stdlib", str(root)])
+
+
+def test_a_mix_of_lengths_gives_each_size_its_count_shuffled(tmp_path):
+    from dsjax.batch.jobfile import read_lines
+
+    out = tmp_path / "mix.jsonl"
+    assert make.main([str(out), "--mix", "10:30", "200:5", "1000:2", "--model", "m"]) == 0
+    lines = list(read_lines(str(out)))
+    words = [len(x.body["messages"][0]["content"].split()) - 1 for x in lines]  # "Summarise:" and the words
+    assert len(lines) == 37 and [x.custom_id for x in lines] == [f"req-{i}" for i in range(37)]
+    sizes = {10: [w for w in words if w <= 11], 200: [w for w in words if 180 <= w <= 220],
+             1000: [w for w in words if 900 <= w <= 1100]}
+    assert [len(v) for v in sizes.values()] == [30, 5, 2]
+    assert [w <= 11 for w in words] != [True] * 30 + [False] * 7  # shuffled, not in the order given
+    for bad in (["--mix", "10"], ["--mix", "10:0"], ["--mix", "10:3", "--count", "3"]):
+        with pytest.raises(SystemExit):
+            make.main([str(tmp_path / "bad.jsonl"), *bad])
+    assert not (tmp_path / "bad.jsonl").exists()
