@@ -11,6 +11,7 @@ are attributed to the model's named scopes (`attention`, `indexer`, `moe`; every
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import gzip
 import json
@@ -39,6 +40,7 @@ from dsjax.engine.slots import prefill_rows
 from dsjax.info import component
 from dsjax.model import DeepseekV4
 from dsjax.model_v41 import DeepseekV41
+from dsjax.parallel.shard import abstract_on_mesh
 from dsjax.presets import PRESETS
 from dsjax.run_config import RunConfig
 
@@ -106,25 +108,37 @@ def v41_slice(cfg: V41Config, layers: Sequence[int], engram_rows: int | None = N
     return out
 
 
-def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> DeepseekV4:
+def random_model(cfg: ModelConfig | V41Config, seed: int = 0, dtype=jnp.bfloat16,
+                 mesh: jax.sharding.Mesh | None = None) -> DeepseekV4 | DeepseekV41:
     """A model with the initializer's random weights, built in one compiled program on the default
-    device (no float32 copy of the experts is ever whole in memory). Hash-routed layers get a random
-    `tid2eid` (k distinct experts per token, as a checkpoint has): the initializer's zeros would send
-    every token to expert 0 and make the MoE look cheaper than it is."""
-    if getattr(cfg, "family", "v4") == "v4.1":
-        return nnx.jit(lambda: DeepseekV41(cfg, rngs=nnx.Rngs(seed), dtype=dtype))()
+    device (no float32 copy of the experts is ever whole in memory), or with `mesh` straight onto it, each
+    device computing only its share as the rules table places it (a model larger than one device: the same
+    weights as built on one device and then placed). Hash-routed layers get a random `tid2eid` (k distinct
+    experts per token, as a checkpoint has): the initializer's zeros would send every token to expert 0
+    and make the MoE look cheaper than it is."""
+    build = functools.partial(_random_v41 if cfg.family == "v4.1" else _random_v4, cfg, seed, dtype)
+    if mesh is None:
+        return nnx.jit(build)()
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_on_mesh(abstract, mesh))
+    state = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
 
-    def build():
-        model = DeepseekV4(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
-        key = jax.random.key(seed + 1)
-        for path, var in nnx.to_flat_state(nnx.state(model)):
-            if path[-1] == "tid2eid":
-                key, sub = jax.random.split(key)
-                shape = var.get_value().shape  # [repeats, vocab, k]
-                noise = jax.random.uniform(sub, (*shape[:-1], cfg.n_routed_experts))
-                var.set_value(jax.lax.top_k(noise, shape[-1])[1].astype(var.get_value().dtype))
-        return model
-    return nnx.jit(build)()
+
+def _random_v41(cfg: V41Config, seed: int, dtype) -> DeepseekV41:
+    return DeepseekV41(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+
+
+def _random_v4(cfg: ModelConfig, seed: int, dtype) -> DeepseekV4:
+    model = DeepseekV4(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    key = jax.random.key(seed + 1)
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if path[-1] == "tid2eid":
+            key, sub = jax.random.split(key)
+            shape = var.get_value().shape  # [repeats, vocab, k]
+            noise = jax.random.uniform(sub, (*shape[:-1], cfg.n_routed_experts))
+            var.set_value(jax.lax.top_k(noise, shape[-1])[1].astype(var.get_value().dtype))
+    return model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -265,11 +265,9 @@ def _bench(args: argparse.Namespace) -> int:
         model = load_model(args.model, jnp.bfloat16, weights=run.weights, mesh=mesh)
         name = args.model
     else:
-        model = random_model(bench_config(args.preset, args.layers, run.weights, args.engram_rows), args.seed)
-        if mesh is not None:
-            from dsjax.parallel.shard import shard_model
-
-            model = shard_model(model, mesh)
+        # straight onto the mesh: the whole model need not fit one device
+        model = random_model(bench_config(args.preset, args.layers, run.weights, args.engram_rows), args.seed,
+                             mesh=mesh)
         name = args.preset
     model = with_code_layout(model, expert_code_layout(run.kernels, jax.default_backend()))
     rates = (DeviceRates(args.copy_tbps * 1e12, args.matmul_tflops * 1e12) if args.copy_tbps

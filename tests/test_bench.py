@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -43,6 +44,26 @@ def test_random_model_spreads_hash_routing(tiny):
     assert tables
     for t in tables:  # k distinct experts per token, many experts in use
         assert (t[..., 0] != t[..., 1]).all() and len(set(t.reshape(-1).tolist())) == tiny.cfg.n_routed_experts
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v4.1"])
+def test_random_model_builds_straight_onto_a_mesh(preset):
+    """With a mesh, each device computes only its share, placed as the rules say: the same weights, and the
+    same shardings, as the model built on one device and then placed (what a model larger than a device needs)."""
+    from dsjax.parallel.mesh import make_mesh
+    from dsjax.parallel.shard import shard_model
+
+    mesh = make_mesh("dp=2,ep=4")
+    cfg = B.bench_config(preset, weights="keep")
+    want = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(shard_model(B.random_model(cfg, 3), mesh)))}
+    got = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(B.random_model(cfg, 3, mesh=mesh)))}
+    assert got.keys() == want.keys()
+    split = 0
+    for p, x in got.items():
+        assert x.sharding == want[p].sharding, p
+        assert x.dtype == want[p].dtype and (np.asarray(x) == np.asarray(want[p])).all(), p
+        split += x.sharding.shard_shape(x.shape) != x.shape
+    assert split > 0
 
 
 def test_touched_experts():
