@@ -137,9 +137,10 @@ def _append_row(path: str, row: dict) -> None:
         f.write(("\n" if torn else "") + json.dumps(row) + "\n")
 
 
-def checkpoint_bytes(preset: str, layers, experts: int | None = None) -> int:
+def checkpoint_bytes(preset: str, layers, experts: int | None = None, engram_rows: int | None = None) -> int:
     """Bytes of the synthetic checkpoint of `preset` cut to `layers` (None: whole) with `experts` routed experts
-    (None: the preset's), in the release's storage: the stored model's arrays, from their shapes."""
+    (None: the preset's) and Engram tables of about `engram_rows` rows (V4.1 slices), in the release's storage:
+    the stored model's arrays, from their shapes."""
     import math
 
     import jax
@@ -147,7 +148,7 @@ def checkpoint_bytes(preset: str, layers, experts: int | None = None) -> int:
     from dsjax.bench import bench_config
     from dsjax.engine.aot import abstract_state
 
-    cfg = bench_config(preset, layers, "keep")
+    cfg = bench_config(preset, layers, "keep", engram_rows)
     _, flat = abstract_state(cfg if experts is None else cfg.replace(n_routed_experts=experts))
     return sum(math.prod(v.get_value().shape) * jax.numpy.dtype(v.get_value().dtype).itemsize for _, v in flat)
 
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the slice: a count of first layers (V4), layer indices (V4.1: 0,1,2,20,21), or all "
                          "(default 2)")
     ap.add_argument("--experts", type=int, help="routed experts (default: the preset's)")
+    ap.add_argument("--engram-rows", type=int, help="V4.1 slices: each Engram table about this many rows (default: "
+                    "the release's 384M, 183 GiB the two)")
     ap.add_argument("--per-device", type=int, nargs="+", default=[64, 128, 256], help="sequences per device")
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--gen-len", type=int, default=16)
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--job-slots and --job-max-len must be at least 2")
         mesh = make_mesh(f"ep={ep}")
         src, dst = os.path.join(args.workdir, "src"), os.path.join(args.workdir, "converted")
-        need = checkpoint_bytes(args.preset, args.layers, args.experts) * sum(not os.path.exists(d) for d in (src, dst))
+        need = checkpoint_bytes(args.preset, args.layers, args.experts, args.engram_rows) * sum(not os.path.exists(d) for d in (src, dst))
         free = _free_bytes(args.workdir)
         if need > free:
             raise ValueError(f"the checkpoint and its conversion need {need / 2**30:,.1f} GiB more; "
@@ -284,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.json or os.path.join(args.workdir, "rows.jsonl")
     layers = [] if args.layers is None else ["--layers", str(args.layers) if isinstance(args.layers, int)
                                              else ",".join(map(str, args.layers))]
-    synth = ["--preset", args.preset, *layers] + (["--experts", str(args.experts)] if args.experts else [])
+    synth = ["--preset", args.preset, *layers] + (["--experts", str(args.experts)] if args.experts else []) + (
+        ["--engram-rows", str(args.engram_rows)] if args.engram_rows else [])
 
     def make():
         import shutil

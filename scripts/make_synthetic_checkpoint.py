@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-mb", type=float, default=4096, help="shard size in MB (default 4096)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vision", help="V4.1 only: the image encoder of this V4.1 preset (e.g. v4.1-flash)")
+    ap.add_argument("--engram-rows", type=int, help="V4.1 slices only: each Engram table about this many rows (a "
+                    "lookup reads its rows whatever the table's size; the release's take 183 GiB)")
     args = ap.parse_args(argv)
     try:
         if os.path.exists(args.out):
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             return _v41(args, t)
         if args.vision:
             raise ValueError("--vision takes a V4.1 preset's encoder into a V4.1 preset")
+        if args.engram_rows is not None:
+            raise ValueError("--engram-rows shrinks a V4.1 preset's Engram tables")
         cfg = sized(ModelConfig.preset(args.preset), None if args.layers is None else int(args.layers), args.experts)
         weight_map = write_synthetic(args.out, cfg, max_shard_bytes=int(args.shard_mb * 1e6), seed=args.seed)
     except ValueError as e:
@@ -88,7 +92,9 @@ def _v41(args, t: float) -> int:
 
     cfg = V41Config.preset(args.preset)
     if args.layers:
-        cfg = v41_slice(cfg, [int(x) for x in args.layers.split(",")])
+        cfg = v41_slice(cfg, [int(x) for x in args.layers.split(",")], args.engram_rows)
+    elif args.engram_rows is not None:
+        raise ValueError("--engram-rows shrinks a slice's tables: give --layers too")
     if args.experts is not None:
         cfg = cfg.replace(n_routed_experts=args.experts)
     if args.vision:

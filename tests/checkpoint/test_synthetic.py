@@ -96,3 +96,25 @@ def test_script_gives_a_v41_preset_another_presets_encoder(tmp_path):
         bad = subprocess.run([*script, str(tmp_path / "x"), *args], capture_output=True, text=True)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
         assert not (tmp_path / "x").exists()
+
+
+def test_script_shrinks_a_v41_slices_engram_tables(tmp_path):
+    """`--engram-rows`: a V4.1 slice's Engram tables of about that many rows (bucket primes from a smaller
+    start), the layers otherwise as released; refused without --layers and for V4 presets."""
+    from dsjax.config_v41 import V41Config
+
+    script = [sys.executable, str(ROOT / "scripts" / "make_synthetic_checkpoint.py")]
+    out = tmp_path / "v41"
+    proc = subprocess.run([*script, str(out), "--preset", "tiny-v4.1", "--layers", "0,1,2,3", "--engram-rows", "100"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = V41Config.from_hf(out / "config.json")
+    whole = V41Config.preset("tiny-v4.1")
+    assert cfg.num_hidden_layers == 4 and cfg.engram_layer_ids == (1, 3)
+    assert all(a < b for a, b in zip(cfg.engram_num_embeddings, whole.engram_num_embeddings))
+    assert dsjax.load_model(out).cfg.engram_num_embeddings == cfg.engram_num_embeddings
+    for args, message in ((["--preset", "tiny-v4.1", "--engram-rows", "600"], "give --layers too"),
+                          (["--preset", "tiny", "--engram-rows", "600"], "shrinks a V4.1 preset's Engram tables")):
+        bad = subprocess.run([*script, str(tmp_path / "x"), *args], capture_output=True, text=True)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert not (tmp_path / "x").exists()
