@@ -233,6 +233,10 @@ class Plan:
             f"1,048,576-token sequences: {per_dev:g} per device, {over_mesh} over the mesh ({how})",
             f"compile: decode {self.decode.compile_seconds:.1f} s, prefill {self.prefill.compile_seconds:.1f} s",
         ]
+        if self.device_kind == "cpu":
+            lines.append("compiled for this host's CPU: attention, the indexer and the experts run their pure-JAX "
+                         "references, so the temporaries are XLA:CPU's, a loose upper bound of an accelerator's "
+                         "(docs/parallelism.md); weights and cache are exact")
         return "\n".join(lines)
 
 

@@ -200,6 +200,8 @@ def test_cli_prints_the_table(planned, capsys):
     assert ("fits" if planned.fits else "DOES NOT FIT") in out
     assert f"largest fit at 64 tokens: {planned.max_slots()} slots" in out
     assert "1,048,576-token sequences: 0 per device, 0 over the mesh" in out
+    assert out.rstrip().endswith("a loose upper bound of an accelerator's (docs/parallelism.md); weights and cache "
+                                 "are exact")
 
 
 def test_cli_plans_a_preset_cut_to_its_first_layers(planned, capsys):
