@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +45,17 @@ def abstract_state(cfg: ModelConfig | V41Config, dtype=jnp.bfloat16):
 
 
 def mesh_devices(n: int) -> list:
-    """`n` devices to trace on: the default backend's if it has enough, otherwise the host's CPU devices
-    (as many as `jax_num_cpu_devices` or XLA_FLAGS made; see `dsjax.cli._ensure_cpu_devices`)."""
+    """`n` devices to trace on: the default backend's if it has enough; on a GPU host with fewer, `n`
+    compile-only GPUs like its own (`compile_only_gpus`), so that the program compiled is the GPUs' one;
+    otherwise the host's CPU devices (as many as `jax_num_cpu_devices` or XLA_FLAGS made; see
+    `dsjax.cli._ensure_cpu_devices`)."""
     devices = jax.devices()
+    if len(devices) < n and devices[0].platform == "gpu":
+        try:
+            return compile_only_gpus(n)
+        except Exception as e:  # the plugin may not offer topologies: the host's CPU still compiles the plan
+            warnings.warn(f"could not describe {n} GPUs like this host's to compile for ({e}); compiling for "
+                          "the host's CPU devices instead, whose temporaries are a loose upper bound", stacklevel=2)
     if len(devices) < n:
         devices = jax.devices("cpu")
     if len(devices) < n:
@@ -54,6 +63,15 @@ def mesh_devices(n: int) -> list:
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={n}, or plan from `dsjax plan`, "
                          "which does so)")
     return devices[:n]
+
+
+def compile_only_gpus(n: int) -> list:
+    """`n` compile-only devices (nothing runs on them) of one host, described like this host's first GPU:
+    XLA compiles the SPMD program for them, with the GPU's own kernels and collectives. Raises where the
+    GPU plugin cannot describe such a topology."""
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}").devices)[:n]
 
 
 @dataclasses.dataclass(frozen=True)
