@@ -42,6 +42,8 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+from make_requests import mix_entry  # noqa: E402
 
 
 def collective_rates(mesh, bytes_per_device: int = 256 << 20) -> dict[str, float]:
@@ -174,11 +176,10 @@ def run_job(workdir: str, model: str, ep: int, args) -> dict:
     os.makedirs(job, exist_ok=True)
     requests, output = os.path.join(job, "requests.jsonl"), os.path.join(job, "output.jsonl")
     if not os.path.exists(requests):
-        sys.path.insert(0, _HERE)
         from make_requests import main as make_requests
 
         if make_requests([requests + ".partial", "--model", "synthetic", "--max-tokens", str(args.job_max_tokens),
-                          "--mix", *args.job_mix]) != 0:
+                          "--mix", *(f"{w}:{c}" for w, c in args.job_mix)]) != 0:
             raise SystemExit(2)
         os.replace(requests + ".partial", requests)
     summary = summary_path(output)
@@ -186,7 +187,7 @@ def run_job(workdir: str, model: str, ep: int, args) -> dict:
         with open(summary) as f:
             done = json.load(f)
         if done.get("requests_already_done", 0) == 0 and done.get("requests_ok", 0) + done.get(
-                "requests_failed", 0) == sum(int(m.split(":")[1]) for m in args.job_mix):
+                "requests_failed", 0) == sum(c for _, c in args.job_mix):
             print("[job] already there, skipped", flush=True)
             return done
     command = [sys.executable, "-m", "dsjax.cli", "generate", "--input", requests, "--model", model, "--output",
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-breakdown", action="store_true", help="skip the profiled per-part split")
     ap.add_argument("--collective-mib", type=float, default=256,
                     help="buffer per device for timing the collectives alone (default 256 MiB)")
-    ap.add_argument("--job-mix", nargs="+", metavar="WORDS:COUNT",
+    ap.add_argument("--job-mix", nargs="+", type=mix_entry, metavar="WORDS:COUNT",
                     help="also run `dsjax generate` on a job of COUNT requests of about WORDS words per pair "
                          "(`make_requests.py --mix`; about one token a word with DeepSeek's tokenizer)")
     ap.add_argument("--job-slots", type=int, default=64, help="the job's --slots (default 64)")

@@ -124,3 +124,7 @@ def test_refuses_a_slice_whose_checkpoints_do_not_fit_the_disk(tmp_path, capsys,
     with pytest.raises(SystemExit):
         multigpu.main([str(tmp_path / "big"), "--preset", "v4.1-flash", "--layers", "0,x"])
     assert "argument --layers: a count, layer indices such as 0,1,20, or all; got '0,x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a bad job is refused before anything is written
+        multigpu.main([str(tmp_path / "big"), "--preset", "tiny-v4.1", "--job-mix", "5:0"])
+    assert "'5:0': words and count must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "big").exists()
